@@ -1,0 +1,77 @@
+"""The torch internals graphpass touches, in one place, for torch 2.11 through 2.13.
+
+Everything version-specific lives here and is called with keyword arguments, so that a
+signature change upstream fails loudly in one module instead of silently elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+TORCH_VERSION_STR = torch.__version__.split("+")[0]
+TORCH_VERSION = tuple(int(p) for p in TORCH_VERSION_STR.split(".")[:2])
+
+
+def size_hint(expr: Any, fallback: int = 4096) -> int:
+    """A concrete int for a possibly symbolic size (2.12 renamed the hint helpers)."""
+    if isinstance(expr, int):
+        return expr
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    if hasattr(ss, "optimization_hint"):  # torch >= 2.12
+        return int(ss.optimization_hint(expr, fallback=fallback))
+    return int(ss.size_hint(expr, fallback=fallback))  # torch 2.11
+
+
+def min_cut_partition(
+    joint: fx.GraphModule,
+    joint_inputs: Any,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None,
+    compiler: str = "inductor",
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's min-cut rematerialization partitioner (same signature in 2.11 and 2.13)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(
+        joint,
+        joint_inputs,
+        compiler=compiler,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static_lifetime_input_indices,
+    )
+
+
+def storage_id(val: torch.Tensor) -> int | None:
+    """An id shared by all tensors (fake, meta or real) that alias one storage."""
+    if not torch._C._has_storage(val):
+        return None
+    from torch._inductor.fx_utils import get_storage
+
+    return get_storage(val)
+
+
+def placeholder_source(node: fx.Node) -> str | None:
+    """The dynamo source of a graph input (``L['self'].layers[0].weight``), if dynamo made it."""
+    grapharg = node.meta.get("grapharg")
+    if grapharg is None or getattr(grapharg, "source", None) is None:
+        return None
+    name = grapharg.source.name
+    return name() if callable(name) else name
+
+
+def custom_partitioner_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    return CustomPartitionerFn
+
+
+def inductor_partition_fn() -> Callable[..., Any]:
+    """Inductor's partition step: its joint-graph passes, then ``custom_partitioner_fn``."""
+    from torch._inductor import compile_fx
+
+    return compile_fx.partition_fn

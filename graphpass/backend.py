@@ -1,0 +1,115 @@
+"""The torch.compile backend: Inductor (or eager) code generation around the graphpass partition."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import _compat
+from .config import Config
+from .pipeline import input_sources, partition
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    """A hash of graphpass's own source, so caches never serve another version's partition."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(str(path.relative_to(Path(__file__).parent)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
+    """graphpass's partition as Inductor's ``custom_partitioner_fn``."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        return partition(gm, joint_inputs, config=self.config, **kwargs)
+
+    def uuid(self) -> str:
+        key = f"{_source_hash()}|{torch.__version__}|{sorted(self.config.as_dict().items())!r}"
+        return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Backend:
+    """A torch.compile backend; ``graphpass.backend(**options)`` makes one."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.partitioner = Partitioner(config)
+
+    def __repr__(self) -> str:
+        return f"graphpass.backend({self.config})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        sources = [_compat.placeholder_source(n) for n in gm.graph.find_nodes(op="placeholder")]
+        with input_sources(sources):
+            if self.config.codegen == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(
+                    gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner}
+                )
+            return eager_compile(gm, example_inputs, self.partitioner)
+
+
+def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):
+    """AOTAutograd with Inductor's decompositions and joint-graph passes, but no code generation.
+
+    The joint graph our partition sees is then the same as under Inductor, so reports agree
+    between code generations and with ``graphpass.plan``. Inductor's uniform-value constant
+    folding is off: on meta tensors (``plan``) it would fold every op into ``empty_strided``.
+    """
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+
+    def run_as_is(graph: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
+        return make_boxed_func(graph.forward)
+
+    with inductor_config.patch(custom_partitioner_fn=partitioner, joint_graph_constant_folding=False):
+        return aot_autograd(
+            fw_compiler=run_as_is,
+            bw_compiler=run_as_is,
+            partition_fn=_compat.inductor_partition_fn(),
+            decompositions=select_decomp_table,
+        )(gm, example_inputs)
+
+
+def backend(**options: Any) -> Backend:
+    """A graphpass backend for ``torch.compile(model, backend=graphpass.backend(...))``.
+
+    Options are the fields of :class:`graphpass.Config`; an unknown or invalid option raises a
+    ValueError naming the valid ones.
+    """
+    return Backend(Config.from_options(**options))
+
+
+def default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """``backend="graphpass"``: the default options (also the ``torch_dynamo_backends`` entry point)."""
+    return backend()(gm, example_inputs)
+
+
+def register() -> None:
+    """Make ``backend="graphpass"`` work when graphpass is not installed (source tree).
+
+    When installed, torch finds the ``torch_dynamo_backends`` entry point itself and registers the
+    name on first use; registering here too would make torch's registry refuse the duplicate.
+    """
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends import registry
+
+    if entry_points(group="torch_dynamo_backends", name="graphpass"):
+        return
+    if "graphpass" not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=default_backend, name="graphpass")

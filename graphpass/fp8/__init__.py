@@ -1,0 +1,1 @@
+"""FP8 lowering of linear layers: quantization recipes (``recipes``) and the pieces built on them."""

@@ -1,0 +1,393 @@
+"""FP8 quantization recipes in pure torch, bit-exact with Transformer Engine (TE) 2.20.
+
+Numerics follow /work/shared/reference/transformer-engine.md §5 ("Recipe numerics") and the TE
+kernels it cites; layouts follow §1. Everything here is plain tensor arithmetic: it runs on any
+device and on meta/fake tensors, never reads a tensor value on the host, and its output shapes
+depend on input shapes only, so it can be traced by torch.compile.
+
+Recipes (``get_recipe(name)``):
+
+* ``"tensorwise"``: TE ``Float8CurrentScaling``. One fp32 scale per tensor.
+* ``"blockwise"``: TE ``Float8BlockScaling`` (DeepSeek-V3). fp32 scales per 1x128 block for
+  activations and gradients, per 128x128 tile for weights; power-of-2 scales by default.
+* ``"mxfp8"``: TE ``MXFP8BlockScaling``. One E8M0 (power-of-2) scale per 1x32 block.
+
+A tensor is quantized in a *role*: ``"input"`` (activation), ``"weight"`` or ``"grad"`` (gradient
+of the output). The role picks the fp8 dtype (HYBRID: E5M2 for ``"grad"``, else E4M3) and, for
+blockwise, the block shape.
+
+Representation. ``quantize(x)`` of a 2-D ``x`` of shape (M, K) returns ``(data, scale_inv)``,
+both contiguous, where dequantization is ``data * scale_inv`` broadcast over each block:
+
+* rowwise: ``data`` is (M, K), blocks run along K (the last dimension).
+* columnwise (``columnwise=True``): for *every* recipe, the rowwise quantization of ``x.t()``:
+  ``data`` is (K, M) and blocks run along M, i.e. down the columns of ``x``. This is the operand
+  a TN-only GEMM needs for wgrad (``dW = dYᵀ·X``). Relation to TE's storage (§1):
+
+  - tensorwise: identical to TE's ``_transpose`` (same scale as the rowwise copy);
+  - blockwise: identical to TE's transposed columnwise data (both copies are quantized from high
+    precision); a 128x128 weight's columnwise scales are the transpose of its rowwise scales;
+  - mxfp8: TE keeps ``columnwise_data`` in the original (M, K) layout with 32x1 blocks; that is
+    exactly ``data.t()`` here, and TE's (M/32, K) ``columnwise_scale_inv`` is ``scale_inv.t()``.
+
+Scale shapes are logical, i.e. without TE's padding or GEMM swizzle, for data of shape (R, C)
+(R, C = M, K rowwise and K, M columnwise):
+
+* tensorwise: fp32 ``scale_inv`` of shape ();
+* blockwise 1x128: fp32 (R, ceil(C/128)); blockwise 128x128: fp32 (ceil(R/128), ceil(C/128));
+  a partial last block is padded with zeros, so it gets the amax of its own valid elements;
+* mxfp8: uint8 E8M0 biased exponents (R, C/32), value ``2**(e - 127)``; R and C must both be
+  multiples of 32 (TE ``MXFP8Quantizer.is_quantizable``), otherwise ValueError.
+
+Special values, as TE's kernels do it:
+
+* NaN never reaches an amax: TE reduces with ``fmaxf``/``__hmax``, which return the non-NaN
+  operand. A NaN element therefore does not change its block's scale and quantizes to an fp8 NaN.
+* The cast is round-to-nearest-even with ``satfinite``: anything beyond ±fp8_max, ±inf included,
+  becomes ±fp8_max. Here that is a clamp before ``.to(fp8)``, because torch 2.11 gives NaN for an
+  out-of-range E4M3 cast and every torch version gives inf for an out-of-range E5M2 cast.
+* An inf element makes its amax inf. Tensorwise/blockwise then use scale 1 for that tensor/block
+  (the finite values are cast unscaled, saturating). MXFP8 gets exponent 254, so the inf is stored
+  as fp8_max and dequantizes back to inf (448 * 2**127 overflows fp32) while the block's finite
+  values underflow to 0.
+* An all-zero (or all-NaN) block: scale 1 (tensorwise/blockwise), E8M0 byte 0 (mxfp8: 2**-127,
+  quantized with the multiplier 2**127); the data is zero either way.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "ROLES",
+    "RECIPE_NAMES",
+    "Role",
+    "Recipe",
+    "TENSORWISE",
+    "BLOCKWISE",
+    "MXFP8",
+    "fp8_max",
+    "get_recipe",
+    "fp8_dtype",
+    "block_shape",
+    "requires_divisibility",
+    "compute_scale_from_amax",
+    "float_to_e8m0",
+    "quantize",
+    "dequantize",
+    "qdq",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+Role = Literal["input", "weight", "grad"]
+ROLES: tuple[str, ...] = ("input", "weight", "grad")
+RECIPE_NAMES: tuple[str, ...] = ("tensorwise", "blockwise", "mxfp8")
+_FORMATS = ("E4M3", "HYBRID")  # TE asserts "Pure E5M2 training is not supported."
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # TE's quantizer input types
+_FLT_MAX = torch.finfo(torch.float32).max
+_MX_BLOCK = 32
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an fp8 dtype: 448 (E4M3), 57344 (E5M2) (§5 "Formats")."""
+    if dtype not in (E4M3, E5M2):
+        raise ValueError(f"not an fp8 dtype: {dtype}; expected {E4M3} or {E5M2}")
+    return torch.finfo(dtype).max
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One TE FP8 recipe (§5).
+
+    ``fp8_format`` is ``"HYBRID"`` (E4M3 forward, E5M2 for ``"grad"``) or ``"E4M3"``.
+    ``power_2_scales`` rounds tensorwise/blockwise scales down to a power of two (TE's
+    ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1`` / default ``Float8BlockScaling``); it must be
+    True for mxfp8, whose E8M0 scales are powers of two by construction. ``amax_epsilon`` is the
+    floor TE applies to the amax (``QParams.amax_epsilon``); TE's MXFP8 has none. TE's environment
+    overrides are not read: build a variant with ``dataclasses.replace(get_recipe(name), ...)``.
+    """
+
+    name: str
+    fp8_format: str
+    power_2_scales: bool
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in RECIPE_NAMES:
+            raise ValueError(f"unknown recipe {self.name!r}; valid recipes are: {_names()}")
+        if self.fp8_format not in _FORMATS:
+            raise ValueError(
+                f"invalid fp8_format {self.fp8_format!r}; valid formats are: "
+                + ", ".join(map(repr, _FORMATS))
+            )
+        if not self.amax_epsilon >= 0.0:
+            raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon!r}")
+        if self.name == "mxfp8" and (not self.power_2_scales or self.amax_epsilon != 0.0):
+            raise ValueError(
+                "mxfp8 scales are E8M0 powers of two with no amax epsilon: "
+                "use power_2_scales=True, amax_epsilon=0.0"
+            )
+
+
+TENSORWISE = Recipe("tensorwise", "HYBRID", power_2_scales=False)
+BLOCKWISE = Recipe("blockwise", "E4M3", power_2_scales=True)
+MXFP8 = Recipe("mxfp8", "E4M3", power_2_scales=True)
+_DEFAULTS = {r.name: r for r in (TENSORWISE, BLOCKWISE, MXFP8)}
+
+
+def _names() -> str:
+    return ", ".join(map(repr, RECIPE_NAMES))
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe with TE's default settings for ``name`` (one of ``RECIPE_NAMES``)."""
+    if name == "delayed":
+        raise ValueError(
+            "recipe 'delayed' (TE DelayedScaling) is not supported under torch.compile: its amax "
+            "history and scales are mutable state updated outside the graph, and TE itself "
+            "refuses it when compiling (check_recipe_support). Use 'tensorwise' "
+            "(Float8CurrentScaling), 'blockwise' (Float8BlockScaling) or 'mxfp8' "
+            "(MXFP8BlockScaling) instead."
+        )
+    if name not in _DEFAULTS:
+        raise ValueError(f"unknown recipe {name!r}; valid recipes are: {_names()}")
+    return _DEFAULTS[name]
+
+
+def _as_recipe(recipe: Union[Recipe, str]) -> Recipe:
+    return get_recipe(recipe) if isinstance(recipe, str) else recipe
+
+
+def fp8_dtype(recipe: Union[Recipe, str], role: Role) -> torch.dtype:
+    """The fp8 dtype of ``role`` under ``recipe``: E5M2 only for gradients under HYBRID (§5)."""
+    recipe = _as_recipe(recipe)
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; valid roles are: " + ", ".join(map(repr, ROLES)))
+    return E5M2 if recipe.fp8_format == "HYBRID" and role == "grad" else E4M3
+
+
+def block_shape(recipe: Union[Recipe, str], role: Role) -> tuple[int, int] | None:
+    """(rows, cols) of one scaling block of the quantized data; None for one scale per tensor.
+
+    Blockwise: 128x128 for weights (``w_block_scaling_dim=2``), else 1x128; mxfp8: 1x32 (§5).
+    """
+    recipe = _as_recipe(recipe)
+    fp8_dtype(recipe, role)  # validates the role
+    if recipe.name == "tensorwise":
+        return None
+    if recipe.name == "blockwise":
+        return (128, 128) if role == "weight" else (1, 128)
+    return (1, _MX_BLOCK)
+
+
+def requires_divisibility(recipe: Union[Recipe, str]) -> int:
+    """What the FP8 GEMM needs GEMM dimensions to be multiples of: 16 (tensorwise, Hopper
+    leading dimensions, §1), 128 (blockwise) or 32 (mxfp8, §5). ``quantize`` itself enforces
+    only mxfp8's; blockwise pads partial blocks."""
+    return {"tensorwise": 16, "blockwise": 128, "mxfp8": _MX_BLOCK}[_as_recipe(recipe).name]
+
+
+def compute_scale_from_amax(
+    amax: torch.Tensor,
+    fp8_max: float,
+    *,
+    power_2_scales: bool = False,
+    amax_epsilon: float = 0.0,
+    value_for_inf: float = _FLT_MAX,
+) -> torch.Tensor:
+    """TE's ``compute_scale_from_amax`` (recipe_common.cuh, §5), elementwise on fp32 ``amax``.
+
+    The amax is floored at ``amax_epsilon``; an amax of 0, inf or NaN gives scale 1; otherwise
+    ``fp8_max / amax`` (IEEE fp32 division), with an overflow to inf replaced by ``value_for_inf``
+    (FLT_MAX for tensorwise, the input dtype's max for blockwise), and with power-of-2 scaling the
+    mantissa bits cleared, i.e. rounded down to a power of two.
+    """
+    amax = amax.to(torch.float32)
+    amax = torch.where(amax < amax_epsilon, amax_epsilon, amax)  # NaN < eps is False: kept
+    scale = fp8_max / amax
+    scale = torch.where(torch.isinf(scale), value_for_inf, scale)
+    if power_2_scales:
+        # Keep sign and exponent (mask 0xFF800000); scale > 0 here, so never zero or subnormal.
+        scale = (scale.view(torch.int32) & -0x800000).view(torch.float32)
+    degenerate = (amax == 0) | ~torch.isfinite(amax)
+    return torch.where(degenerate, 1.0, scale)
+
+
+def float_to_e8m0(val: torch.Tensor) -> torch.Tensor:
+    """TE's ``float_to_e8m0`` (ptx_arch_spec.cuh, §5) of fp32 ``val >= 0``, as uint8.
+
+    The fp32 exponent, incremented when the mantissa is non-zero (rounding the power of two up),
+    saturating at 254 (2**127); 0 -> 0 and subnormals up to 2**-127 -> 0, inf -> 254, NaN -> 255.
+    """
+    bits = val.to(torch.float32).view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    e = exponent + round_up.to(torch.int32)
+    e = torch.where(torch.isinf(val), 0xFE, e)
+    e = torch.where(torch.isnan(val), 0xFF, e)
+    return e.to(torch.uint8)
+
+
+def _e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    """2**(e - 127) in fp32 for int32 ``e``; 0 -> 2**-127 (subnormal), 255 -> NaN (TE ``exp2f``)."""
+    bits = torch.where(e == 0, 0x00400000, torch.where(e == 0xFF, 0x7FFFFFFF, e << 23))
+    return bits.view(torch.float32)
+
+
+def _e8m0_reciprocal(e: torch.Tensor) -> torch.Tensor:
+    """2**(127 - e), the quantization multiplier (TE ``exp2f_rcp``); 255 -> NaN."""
+    return _e8m0_to_float(torch.where(e == 0xFF, 0xFF, 254 - e))
+
+
+def _f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+# TE multiplies the block amax by the fp32-rounded reciprocal of fp8_max (Quantized_Limits::
+# max_norm_rcp) rather than dividing; the E8M0 rounding depends on that product's exact bits.
+_MAX_NORM_RCP = {dtype: _f32(1.0 / fp8_max(dtype)) for dtype in (E4M3, E5M2)}
+
+
+def _abs_amax(x: torch.Tensor, dim: tuple[int, ...]) -> torch.Tensor:
+    a = x.abs()
+    return torch.where(torch.isnan(a), 0.0, a).amax(dim=dim)  # NaN-ignoring, like fmaxf
+
+
+def _saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """RNE cast with satfinite; clamp keeps NaN as NaN."""
+    m = fp8_max(dtype)
+    return y.clamp(-m, m).to(dtype)
+
+
+def _tiles(x: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
+    """``x`` zero-padded to whole tiles, viewed as (rows/bm, bm, cols/bk, bk)."""
+    m, k = x.shape
+    mb, kb = -(-m // bm), -(-k // bk)
+    return F.pad(x, (0, kb * bk - k, 0, mb * bm - m)).reshape(mb, bm, kb, bk)
+
+
+def _untile(t: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    mb, bm, kb, bk = t.shape
+    return t.reshape(mb * bm, kb * bk)[:m, :k]
+
+
+def quantize(
+    x: torch.Tensor,
+    recipe: Union[Recipe, str],
+    role: Role,
+    *,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D fp32/bf16/fp16 ``x`` of shape (M, K) as TE does; returns (data, scale_inv).
+
+    ``columnwise=False``: data (M, K), blocks along K. ``columnwise=True``: the quantization of
+    ``x.t()``, data (K, M), blocks along M. Scale shapes and dtypes: see the module docstring.
+    All arithmetic is fp32 on the upcast input, as in TE's kernels (§5: ``q = fp8(x·scale)``,
+    ``scale_inv = 1/scale``; mxfp8: ``q = fp8(x·2**(127-e))``).
+    """
+    recipe = _as_recipe(recipe)
+    dtype = fp8_dtype(recipe, role)
+    if x.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"quantize expects float32, bfloat16 or float16 input, got {x.dtype}")
+    if recipe.name == "mxfp8" and (x.shape[0] % _MX_BLOCK or x.shape[1] % _MX_BLOCK):
+        raise ValueError(
+            f"mxfp8 needs both dimensions to be multiples of {_MX_BLOCK}, got shape "
+            f"{tuple(x.shape)}"
+        )
+    x32 = (x.t() if columnwise else x).to(torch.float32)
+    m, k = x32.shape
+    fmax = fp8_max(dtype)
+
+    if recipe.name == "tensorwise":
+        # amax() rejects empty tensors; TE's amax kernel starts from 0.
+        amax = _abs_amax(x32, (0, 1)) if x32.numel() else x32.new_zeros(())
+        scale = compute_scale_from_amax(
+            amax, fmax, power_2_scales=recipe.power_2_scales, amax_epsilon=recipe.amax_epsilon
+        )
+        return _saturating_cast(x32 * scale, dtype).contiguous(), torch.reciprocal(scale)
+
+    bm, bk = block_shape(recipe, role)  # type: ignore[misc]
+    tiles = _tiles(x32, bm, bk)
+    amax = _abs_amax(tiles, (1, 3))
+    if recipe.name == "blockwise":
+        scale = compute_scale_from_amax(
+            amax,
+            fmax,
+            power_2_scales=recipe.power_2_scales,
+            amax_epsilon=recipe.amax_epsilon,
+            value_for_inf=torch.finfo(x.dtype).max,  # TE compute_scale_from_types<IType, OType>
+        )
+        scale_inv = torch.reciprocal(scale)
+    else:
+        scale_inv = float_to_e8m0(amax * _MAX_NORM_RCP[dtype])
+        scale = _e8m0_reciprocal(scale_inv.to(torch.int32))
+    data = _untile(_saturating_cast(tiles * scale[:, None, :, None], dtype), m, k)
+    return data.contiguous(), scale_inv
+
+
+def dequantize(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    recipe: Union[Recipe, str],
+    role: Role,
+    *,
+    columnwise: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of ``quantize``: ``data * scale_inv`` in fp32, cast to ``dtype`` (TE dequantize).
+
+    Returns the tensor in the ORIGINAL (M, K) orientation: a columnwise pair, whose data is
+    (K, M), comes back transposed.
+    """
+    recipe = _as_recipe(recipe)
+    expected = fp8_dtype(recipe, role)
+    if data.dtype != expected or data.dim() != 2:
+        raise ValueError(
+            f"{recipe.name} {role} data must be a 2-D {expected} tensor, got {data.dtype} "
+            f"of shape {tuple(data.shape)}"
+        )
+    d32 = data.to(torch.float32)
+    m, k = d32.shape
+    block = block_shape(recipe, role)
+    if block is None:
+        expected_shape: tuple[int, ...] = ()
+    else:
+        expected_shape = (-(-m // block[0]), -(-k // block[1]))
+    if tuple(scale_inv.shape) != expected_shape:
+        raise ValueError(
+            f"{recipe.name} {role} scale_inv for data of shape {(m, k)} must have shape "
+            f"{expected_shape}, got {tuple(scale_inv.shape)}"
+        )
+    if block is None:
+        out = d32 * scale_inv
+    else:
+        s = scale_inv
+        if recipe.name == "mxfp8":
+            s = _e8m0_to_float(s.to(torch.int32))
+        out = _untile(_tiles(d32, *block) * s[:, None, :, None], m, k)
+    out = out.to(dtype)
+    return out.t() if columnwise else out
+
+
+def qdq(
+    x: torch.Tensor,
+    recipe: Union[Recipe, str],
+    role: Role,
+    *,
+    columnwise: bool = False,
+) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in ``x``'s shape and dtype: the values an FP8 GEMM sees."""
+    data, scale_inv = quantize(x, recipe, role, columnwise=columnwise)
+    return dequantize(data, scale_inv, recipe, role, columnwise=columnwise, dtype=x.dtype)

@@ -1,0 +1,1 @@
+"""Reading the joint forward+backward graph: node classes, module paths, saved edges, bytes."""

@@ -1,0 +1,81 @@
+"""Facts about single FX nodes of a joint, forward or backward graph."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+_MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]\.?")
+_SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+_SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+_PRIVATE_DICTS = re.compile(r"\._(?:modules|parameters|buffers)\.")
+_LAYER = re.compile(r"(?:^|\.)(layers|h|blocks|layer)\.(\d+)(?=\.|$)")
+
+
+def normalize_path(source: str, *, of_module: bool = True) -> str:
+    """``L['self'].layers[0]._modules['attn']._parameters['weight']`` -> ``layers.0.attn.weight``.
+
+    Graph-input sources (``of_module=False``) that are not attributes of the compiled module are
+    the user's inputs: ``L['x']`` -> ``input:x``.
+    """
+    if not source:
+        return ""
+    if not of_module and not _MODULE_SOURCE.match(source):
+        name = source[3:].split("'", 1)[0]
+        rest = _SUBSCRIPT.sub(r"[\1]", source[3 + len(name) + 2:])
+        return f"input:{name}{rest}"
+    path = _SOURCE_PREFIX.sub("", source)
+    path = _SUBSCRIPT.sub(r".\1", path)
+    path = _PRIVATE_DICTS.sub(".", "." + path).strip(".")
+    return path
+
+
+def module_stack(node: fx.Node) -> list[tuple[str, type]]:
+    """The module nesting of a node; backward nodes carry their forward op's stack."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return [(normalize_path(path), cls) for path, cls in stack.values()]
+
+
+def module_path(node: fx.Node) -> str:
+    stack = module_stack(node)
+    return stack[-1][0] if stack else ""
+
+
+def layer_of(path: str) -> str:
+    """The transformer layer a module path belongs to (``layers.3``), or ``""``."""
+    match = _LAYER.search(path)
+    return f"{match.group(1)}.{match.group(2)}" if match else ""
+
+
+def op_name(node: fx.Node) -> str:
+    """A short, version-stable op name: ``aten.addmm``, ``graphpass.quantize``, ``input``."""
+    if node.op == "placeholder":
+        return "input"
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return f"{target._qualified_op_name.replace('::', '.')}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    return getattr(target, "__name__", str(target))
+
+
+def producer(node: fx.Node) -> fx.Node:
+    """The op that produced a value: for ``getitem`` of a multi-output op, that op."""
+    while node.op == "call_function" and op_name(node) == "getitem":
+        node = node.args[0]
+    return node
+
+
+def is_backward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def tensor_val(node: fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None

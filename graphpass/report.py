@@ -1,0 +1,153 @@
+"""The saved-tensor report: one row per tensor the forward keeps alive for the backward."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+KINDS = ("activation", "fp8_data", "fp8_scale", "rng_state", "symint", "parameter", "other")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One saved value.
+
+    ``bytes`` is what this row adds to memory: the whole storage for the first saved value of a
+    storage, 0 for further views of it (``alias_of`` names the first). ``tensor_bytes`` is the
+    size of the view itself.
+    """
+
+    name: str
+    op: str
+    module: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    tensor_bytes: int
+    kind: str
+    consumers: tuple[str, ...] = ()
+    decision: str = "saved"
+    alias_of: str = ""
+
+    @property
+    def is_activation(self) -> bool:
+        return self.kind != "parameter"
+
+
+@dataclass
+class Report:
+    """What one partitioned graph (or several, merged) saves for backward."""
+
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    graphs: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Saved bytes excluding parameters, counted once per storage."""
+        return sum(r.bytes for r in self.rows if r.is_activation)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows if not r.is_activation)
+
+    def bytes_by(self, key: str) -> dict[str, int]:
+        """Activation bytes grouped by a row attribute (``kind``, ``dtype``, ``module``...)."""
+        totals: dict[str, int] = {}
+        for r in self.rows:
+            if r.is_activation:
+                totals[getattr(r, key)] = totals.get(getattr(r, key), 0) + r.bytes
+        return totals
+
+    def bytes_by_layer(self) -> dict[str, int]:
+        from .graph.nodes import layer_of
+
+        totals: dict[str, int] = {}
+        for r in self.rows:
+            if r.is_activation:
+                layer = layer_of(r.module) or "(outside layers)"
+                totals[layer] = totals.get(layer, 0) + r.bytes
+        return totals
+
+    def find(self, name: str) -> Row:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(f"no saved tensor named {name!r}; saved: {[r.name for r in self.rows]}")
+
+    @staticmethod
+    def merge(reports: Iterable["Report"]) -> "Report":
+        reports = list(reports)
+        merged = Report(rows=[], notes=[], graphs=0, meta=dict(reports[0].meta) if reports else {})
+        for i, rep in enumerate(reports):
+            prefix = f"g{i}." if len(reports) > 1 else ""
+            merged.rows += [
+                dataclasses.replace(r, name=prefix + r.name,
+                                    alias_of=prefix + r.alias_of if r.alias_of else "")
+                for r in rep.rows
+            ]
+            merged.notes += rep.notes
+            merged.graphs += rep.graphs
+        return merged
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "meta": self.meta,
+            "graphs": self.graphs,
+            "activation_bytes": self.activation_bytes,
+            "parameter_bytes": self.parameter_bytes,
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+            "notes": self.notes,
+        }
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **{"indent": 1, **kw})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Report":
+        rows = [
+            Row(**{**r, "shape": tuple(r["shape"]), "consumers": tuple(r["consumers"])})
+            for r in data["rows"]
+        ]
+        return cls(rows=rows, notes=list(data.get("notes", [])), graphs=data.get("graphs", 1),
+                   meta=dict(data.get("meta", {})))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Report":
+        return cls.from_dict(json.loads(text))
+
+    def table(self, *, max_consumers: int = 3) -> str:
+        """An aligned text table with totals per kind and per layer."""
+        header = ("name", "op", "module", "shape", "dtype", "bytes", "kind", "backward use", "decision")
+        body = []
+        for r in self.rows:
+            uses = ", ".join(r.consumers[:max_consumers]) + (", ..." if len(r.consumers) > max_consumers else "")
+            size = format_bytes(r.bytes) if not r.alias_of else f"(view of {r.alias_of})"
+            body.append((r.name, r.op, r.module or "-", "x".join(map(str, r.shape)) or "-",
+                         r.dtype, size, r.kind, uses or "-", r.decision))
+        widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (header, *body)]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        kinds = self.bytes_by("kind")
+        lines.append(f"activation bytes: {format_bytes(self.activation_bytes)} ({self.activation_bytes:,} B)"
+                     + "".join(f"; {k} {format_bytes(v)}" for k, v in sorted(kinds.items())))
+        lines.append(f"parameters saved (not counted): {format_bytes(self.parameter_bytes)}")
+        layers = self.bytes_by_layer()
+        if len(layers) > 1 or "(outside layers)" not in layers:
+            lines += [f"  {layer}: {format_bytes(b)}" for layer, b in layers.items()]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
