@@ -54,6 +54,8 @@ SIZES: dict[str, DeepSeekConfig] = {
         qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
         moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, layers=2, batch=2, seq=32,
+        # Tight enough that the tiny model really drops overflowing assignments.
+        capacity_factor=1.0,
     ),
     # One MoE layer of DeepSeek-V3 (671B).
     "real": DeepSeekConfig(
@@ -75,7 +77,9 @@ class Attention(nn.Module):
         self.q_a_proj = nn.Linear(c.hidden, c.q_lora_rank, bias=False)
         self.q_a_layernorm = nn.RMSNorm(c.q_lora_rank, eps=c.norm_eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, c.heads * c.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            c.hidden, c.kv_lora_rank + c.qk_rope_head_dim, bias=False
+        )
         self.kv_a_layernorm = nn.RMSNorm(c.kv_lora_rank, eps=c.norm_eps)
         self.kv_b_proj = nn.Linear(
             c.kv_lora_rank, c.heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
@@ -100,9 +104,12 @@ class Attention(nn.Module):
 
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
         k = torch.cat((k_nope, k_rope), dim=-1)
+        # Fused attention kernels want one head size for q, k and v: pad v to the q/k size and
+        # drop the padding after, as DeepSeek-V3 training stacks do for flash attention.
+        pad = c.qk_head_dim - c.v_head_dim
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=1.0 / math.sqrt(c.qk_head_dim)
-        )
+            q, k, F.pad(v, (0, pad)), is_causal=True, scale=1.0 / math.sqrt(c.qk_head_dim)
+        )[..., : c.v_head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

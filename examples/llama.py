@@ -28,7 +28,9 @@ class LlamaConfig:
     vocab_size: int | None = None
 
 
-_TINY = LlamaConfig(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, batch=2, seq=32)
+_TINY = LlamaConfig(
+    hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, batch=2, seq=32
+)
 
 SIZES: dict[str, LlamaConfig] = {
     "tiny": _TINY,

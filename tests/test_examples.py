@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import math
 import time
 from types import ModuleType
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -47,7 +50,9 @@ def test_tiny_compiled_matches_eager(name: str) -> None:
     compiled_grads = dict(compiled_model.named_parameters())
     for param_name, param in eager_model.named_parameters():
         assert param.grad is not None, param_name
-        torch.testing.assert_close(compiled_grads[param_name].grad, param.grad, **tol, msg=param_name)
+        torch.testing.assert_close(
+            compiled_grads[param_name].grad, param.grad, **tol, msg=param_name
+        )
 
 
 # Parameters of one real-size layer (norm weights included), derived by hand:
@@ -105,7 +110,7 @@ def test_real_size_traces_on_meta(name: str) -> None:
 
 
 def test_module_paths() -> None:
-    from examples import deepseek, gpt, llama
+    from examples import deepseek
 
     names = {n: set(dict(_module(n).build("tiny")[0].named_parameters())) for n in MODELS}
     assert {
@@ -114,7 +119,11 @@ def test_module_paths() -> None:
         "layers.1.mlp.down_proj.weight",
         "norm.weight",
     } <= names["llama"]
-    assert {"layers.0.ln_1.bias", "layers.0.attn.qkv.weight", "layers.1.mlp.fc2.bias"} <= names["gpt"]
+    assert {
+        "layers.0.ln_1.bias",
+        "layers.0.attn.qkv.weight",
+        "layers.1.mlp.fc2.bias",
+    } <= names["gpt"]
     assert {
         "layers.0.self_attn.kv_a_proj_with_mqa.weight",
         "layers.0.mlp.gate.weight",
@@ -122,7 +131,6 @@ def test_module_paths() -> None:
         "layers.0.mlp.shared_experts.up_proj.weight",
     } <= names["deepseek"]
     assert deepseek.build("tiny")[0].layers[0].mlp.experts.down_proj.shape == (4, 128, 256)
-    assert {llama.Model, gpt.Model, deepseek.Model}  # every module exposes Model
 
 
 def test_build_options() -> None:
@@ -144,20 +152,52 @@ def test_gpt_zero_dropout_leaves_no_dropout_in_graph() -> None:
     from examples import gpt
 
     def ops(dropout: float) -> set[str]:
-        model, (x,) = gpt.build("tiny", layers=1)
-        model.config = model.config  # config is frozen; rebuild blocks with dropout below
+        config = dataclasses.replace(gpt.SIZES["tiny"], layers=1, dropout=dropout)
         graphs: list[torch.fx.GraphModule] = []
 
-        def backend(gm: torch.fx.GraphModule, _: list[torch.Tensor]):
+        def backend(gm: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., Any]:
             graphs.append(gm)
             return gm.forward
 
-        model = gpt.Model(gpt.GPTConfig(**{**vars(gpt.SIZES["tiny"]), "layers": 1, "dropout": dropout}))
-        torch.compile(model.train(), backend=backend, fullgraph=True)(x)
+        x = torch.randn(2, 32, config.hidden)
+        torch.compile(gpt.Model(config).train(), backend=backend, fullgraph=True)(x)
         return {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
 
     assert not any("dropout" in op for op in ops(0.0))
     assert any("dropout" in op for op in ops(0.1))
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, 2.0])  # with / without dropped tokens
+def test_deepseek_moe_matches_per_token_reference(capacity_factor: float) -> None:
+    from examples import deepseek
+
+    config = dataclasses.replace(deepseek.SIZES["tiny"], capacity_factor=capacity_factor)
+    torch.manual_seed(0)
+    moe = deepseek.MoE(config)
+    tokens = torch.randn(64, config.hidden)
+    experts = moe.experts
+    assignments = 64 * config.num_experts_per_tok
+    capacity = math.ceil(assignments / config.n_routed_experts * capacity_factor)
+
+    with torch.no_grad():
+        scores = moe.gate(tokens).sigmoid()
+        weights, chosen = scores.topk(config.num_experts_per_tok, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True) * config.routed_scaling_factor
+        expected = moe.shared_experts(tokens)
+        load = [0] * config.n_routed_experts
+        for choice in range(config.num_experts_per_tok):  # first choices claim capacity first
+            for t in range(64):
+                e = int(chosen[t, choice])
+                load[e] += 1
+                if load[e] <= capacity:
+                    h = tokens[t]
+                    y = F.silu(h @ experts.gate_proj[e]) * (h @ experts.up_proj[e])
+                    y = y @ experts.down_proj[e]
+                    expected[t] += weights[t, choice] * y
+        actual = moe(tokens.view(2, 32, -1)).view(64, -1)
+
+    assert (max(load) > capacity) == (capacity_factor == 1.0)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_llama_tiny_lm_trains() -> None:

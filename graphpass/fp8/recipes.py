@@ -42,7 +42,8 @@ Scale shapes are logical, i.e. without TE's padding or GEMM swizzle, for data of
 Special values, as TE's kernels do it:
 
 * NaN never reaches an amax: TE reduces with ``fmaxf``/``__hmax``, which return the non-NaN
-  operand. A NaN element therefore does not change its block's scale and quantizes to an fp8 NaN.
+  operand. A NaN element therefore does not change its block's scale and quantizes to an fp8 NaN
+  (its sign bit is unspecified: eager torch writes 0x7F, inductor-generated code may write 0xFF).
 * The cast is round-to-nearest-even with ``satfinite``: anything beyond ±fp8_max, ±inf included,
   becomes ±fp8_max. Here that is a clamp before ``.to(fp8)``, because torch 2.11 gives NaN for an
   out-of-range E4M3 cast and every torch version gives inf for an out-of-range E5M2 cast.
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -163,11 +164,11 @@ def get_recipe(name: str) -> Recipe:
     return _DEFAULTS[name]
 
 
-def _as_recipe(recipe: Union[Recipe, str]) -> Recipe:
+def _as_recipe(recipe: Recipe | str) -> Recipe:
     return get_recipe(recipe) if isinstance(recipe, str) else recipe
 
 
-def fp8_dtype(recipe: Union[Recipe, str], role: Role) -> torch.dtype:
+def fp8_dtype(recipe: Recipe | str, role: Role) -> torch.dtype:
     """The fp8 dtype of ``role`` under ``recipe``: E5M2 only for gradients under HYBRID (§5)."""
     recipe = _as_recipe(recipe)
     if role not in ROLES:
@@ -175,7 +176,7 @@ def fp8_dtype(recipe: Union[Recipe, str], role: Role) -> torch.dtype:
     return E5M2 if recipe.fp8_format == "HYBRID" and role == "grad" else E4M3
 
 
-def block_shape(recipe: Union[Recipe, str], role: Role) -> tuple[int, int] | None:
+def block_shape(recipe: Recipe | str, role: Role) -> tuple[int, int] | None:
     """(rows, cols) of one scaling block of the quantized data; None for one scale per tensor.
 
     Blockwise: 128x128 for weights (``w_block_scaling_dim=2``), else 1x128; mxfp8: 1x32 (§5).
@@ -189,7 +190,7 @@ def block_shape(recipe: Union[Recipe, str], role: Role) -> tuple[int, int] | Non
     return (1, _MX_BLOCK)
 
 
-def requires_divisibility(recipe: Union[Recipe, str]) -> int:
+def requires_divisibility(recipe: Recipe | str) -> int:
     """What the FP8 GEMM needs GEMM dimensions to be multiples of: 16 (tensorwise, Hopper
     leading dimensions, §1), 128 (blockwise) or 32 (mxfp8, §5). ``quantize`` itself enforces
     only mxfp8's; blockwise pads partial blocks."""
@@ -198,7 +199,7 @@ def requires_divisibility(recipe: Union[Recipe, str]) -> int:
 
 def compute_scale_from_amax(
     amax: torch.Tensor,
-    fp8_max: float,
+    max_fp8: float,
     *,
     power_2_scales: bool = False,
     amax_epsilon: float = 0.0,
@@ -207,13 +208,14 @@ def compute_scale_from_amax(
     """TE's ``compute_scale_from_amax`` (recipe_common.cuh, §5), elementwise on fp32 ``amax``.
 
     The amax is floored at ``amax_epsilon``; an amax of 0, inf or NaN gives scale 1; otherwise
-    ``fp8_max / amax`` (IEEE fp32 division), with an overflow to inf replaced by ``value_for_inf``
+    ``max_fp8 / amax`` (IEEE fp32 division), with an overflow to inf replaced by ``value_for_inf``
     (FLT_MAX for tensorwise, the input dtype's max for blockwise), and with power-of-2 scaling the
     mantissa bits cleared, i.e. rounded down to a power of two.
     """
     amax = amax.to(torch.float32)
     amax = torch.where(amax < amax_epsilon, amax_epsilon, amax)  # NaN < eps is False: kept
-    scale = fp8_max / amax
+    # Tensor / tensor: ``float / tensor`` is ``reciprocal() * float`` in torch, rounding twice.
+    scale = torch.full_like(amax, max_fp8) / amax
     scale = torch.where(torch.isinf(scale), value_for_inf, scale)
     if power_2_scales:
         # Keep sign and exponent (mask 0xFF800000); scale > 0 here, so never zero or subnormal.
@@ -250,11 +252,12 @@ def _e8m0_reciprocal(e: torch.Tensor) -> torch.Tensor:
 
 
 def _f32(value: float) -> float:
+    """``value`` rounded to fp32 (as a C++ ``constexpr float`` initializer does)."""
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
 # TE multiplies the block amax by the fp32-rounded reciprocal of fp8_max (Quantized_Limits::
-# max_norm_rcp) rather than dividing; the E8M0 rounding depends on that product's exact bits.
+# max_norm_rcp) instead of dividing by fp8_max; doing the same matches its bits by construction.
 _MAX_NORM_RCP = {dtype: _f32(1.0 / fp8_max(dtype)) for dtype in (E4M3, E5M2)}
 
 
@@ -283,7 +286,7 @@ def _untile(t: torch.Tensor, m: int, k: int) -> torch.Tensor:
 
 def quantize(
     x: torch.Tensor,
-    recipe: Union[Recipe, str],
+    recipe: Recipe | str,
     role: Role,
     *,
     columnwise: bool = False,
@@ -309,8 +312,9 @@ def quantize(
     x32 = (x.t() if columnwise else x).to(torch.float32)
     m, k = x32.shape
     fmax = fp8_max(dtype)
+    block = block_shape(recipe, role)
 
-    if recipe.name == "tensorwise":
+    if block is None:
         # amax() rejects empty tensors; TE's amax kernel starts from 0.
         amax = _abs_amax(x32, (0, 1)) if x32.numel() else x32.new_zeros(())
         scale = compute_scale_from_amax(
@@ -318,8 +322,7 @@ def quantize(
         )
         return _saturating_cast(x32 * scale, dtype).contiguous(), torch.reciprocal(scale)
 
-    bm, bk = block_shape(recipe, role)  # type: ignore[misc]
-    tiles = _tiles(x32, bm, bk)
+    tiles = _tiles(x32, *block)
     amax = _abs_amax(tiles, (1, 3))
     if recipe.name == "blockwise":
         scale = compute_scale_from_amax(
@@ -340,7 +343,7 @@ def quantize(
 def dequantize(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
-    recipe: Union[Recipe, str],
+    recipe: Recipe | str,
     role: Role,
     *,
     columnwise: bool = False,
@@ -362,13 +365,13 @@ def dequantize(
     m, k = d32.shape
     block = block_shape(recipe, role)
     if block is None:
-        expected_shape: tuple[int, ...] = ()
+        valid_shapes: tuple[tuple[int, ...], ...] = ((), (1,))  # (1,) is TE's own layout
     else:
-        expected_shape = (-(-m // block[0]), -(-k // block[1]))
-    if tuple(scale_inv.shape) != expected_shape:
+        valid_shapes = ((-(-m // block[0]), -(-k // block[1])),)
+    if tuple(scale_inv.shape) not in valid_shapes:
         raise ValueError(
             f"{recipe.name} {role} scale_inv for data of shape {(m, k)} must have shape "
-            f"{expected_shape}, got {tuple(scale_inv.shape)}"
+            f"{' or '.join(map(str, valid_shapes))}, got {tuple(scale_inv.shape)}"
         )
     if block is None:
         out = d32 * scale_inv
@@ -383,7 +386,7 @@ def dequantize(
 
 def qdq(
     x: torch.Tensor,
-    recipe: Union[Recipe, str],
+    recipe: Recipe | str,
     role: Role,
     *,
     columnwise: bool = False,
