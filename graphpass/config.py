@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 CODEGENS = ("inductor", "eager")
+FP8_RECIPES = (None, "tensorwise", "blockwise", "mxfp8")
+KERNELS = ("auto", "te", "scaled_mm", "reference")
+
+# Valid values of the fields that take one of a fixed set; the CLI builds its flags from this.
+CHOICES: dict[str, tuple[Any, ...]] = {"codegen": CODEGENS, "fp8": FP8_RECIPES, "kernels": KERNELS}
 
 
 @dataclass(frozen=True)
@@ -23,9 +28,37 @@ class Config:
     report: bool = True
     """Build a saved-tensor report after each partition (``graphpass.last_report()``)."""
 
+    fp8: str | None = None
+    """FP8 recipe for linear layers: ``None`` (off), ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``."""
+
+    kernels: str = "auto"
+    """FP8 kernel provider: ``"auto"``, ``"te"``, ``"scaled_mm"`` or ``"reference"``."""
+
+    fp8_exclude: tuple[str, ...] = ("output", "lm_head", "*.gate", "*.router")
+    """Module-path patterns (fnmatch) of linears kept in high precision: the output head and MoE
+    routers by default, as Megatron and torchtitan do."""
+
+    fp8_min_gemm_flops: int = 0
+    """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
+
     def __post_init__(self) -> None:
-        _choice("codegen", self.codegen, CODEGENS)
+        if self.fp8 == "delayed":
+            raise ValueError(
+                "invalid graphpass option fp8='delayed': DelayedScaling keeps amax history as "
+                "state across steps, which torch.compile cannot trace (Transformer Engine refuses "
+                "it under compile too); use fp8='tensorwise' (current scaling), 'blockwise' or "
+                "'mxfp8'"
+            )
+        for name, valid in CHOICES.items():
+            _choice(name, getattr(self, name), valid)
         _type("report", self.report, bool)
+        if isinstance(self.fp8_exclude, str) or not all(isinstance(p, str) for p in self.fp8_exclude):
+            raise ValueError(
+                f"invalid graphpass option fp8_exclude={self.fp8_exclude!r}; expected a tuple of "
+                "module-path patterns such as ('output', '*.gate')"
+            )
+        object.__setattr__(self, "fp8_exclude", tuple(self.fp8_exclude))
+        _type("fp8_min_gemm_flops", self.fp8_min_gemm_flops, int)
 
     @classmethod
     def from_options(cls, **options: Any) -> "Config":

@@ -14,11 +14,12 @@ import torch.fx as fx
 from . import _compat
 from .config import Config
 from .graph.saved import saved_rows
+from .passes.lower_fp8 import lower_fp8
 from .report import Report
 
-# Each pass is a function (joint graph, config) -> None that rewrites the joint graph or tags its
-# nodes for torch's min-cut; listed in the order they run.
-PASSES: tuple[Callable[[fx.GraphModule, Config], None], ...] = ()
+# Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and logs the
+# decisions a user should see; listed in the order they run.
+PASSES: tuple[Callable[[fx.GraphModule, Config, list[str]], None], ...] = (lower_fp8,)
 
 _last_report: Report | None = None
 _reports_sink: contextvars.ContextVar[list[Report] | None] = contextvars.ContextVar(
@@ -47,8 +48,9 @@ def partition(
     config = config or Config()
     static = list(static_lifetime_input_indices or [])
     primals = [n for n in joint_module.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    log: list[str] = []
     for graph_pass in PASSES:
-        graph_pass(joint_module, config)
+        graph_pass(joint_module, config, log)
     fw, bw = _compat.min_cut_partition(
         joint_module,
         joint_inputs,
@@ -66,7 +68,7 @@ def partition(
             static_input_names={primals[i].name for i in static if i < len(primals)},
             input_sources={k: v for k, v in named.items() if v},
         )
-        _record(Report(rows=rows, meta=_meta(config)))
+        _record(Report(rows=rows, notes=log, meta=_meta(config)))
     return fw, bw
 
 

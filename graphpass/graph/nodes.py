@@ -7,7 +7,7 @@ import re
 import torch
 import torch.fx as fx
 
-_MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]\.?")
+_MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]|\._(?:modules|parameters|buffers)\[")
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 _PRIVATE_DICTS = re.compile(r"\._(?:modules|parameters|buffers)\.")
@@ -22,7 +22,7 @@ def normalize_path(source: str, *, of_module: bool = True) -> str:
     """
     if not source:
         return ""
-    if not of_module and not _MODULE_SOURCE.match(source):
+    if not of_module and not _MODULE_SOURCE.search(source):
         name = source[3:].split("'", 1)[0]
         rest = _SUBSCRIPT.sub(r"[\1]", source[3 + len(name) + 2:])
         return f"input:{name}{rest}"

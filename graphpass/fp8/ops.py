@@ -1,0 +1,65 @@
+"""The two FP8 graph ops: ``graphpass::quantize`` and ``graphpass::fp8_gemm``.
+
+They stay separate nodes so the partitioner sees the 1-byte tensors between them and can save,
+recompute or offload them like any other value. Both have fake implementations (shapes only) and
+the GEMM has a FLOP formula, so torch's partitioner and its budget solver can cost them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from . import providers, recipes
+
+
+@torch.library.custom_op("graphpass::quantize", mutates_args=())
+def quantize(x: Tensor, recipe: str, role: str, columnwise: bool) -> tuple[Tensor, Tensor]:
+    """(fp8 data, scale_inv) of a 2-D tensor in ``role`` under ``recipe``.
+
+    ``columnwise=True`` gives the transposed copy (data (K, M), blocks down x's columns) that
+    TN-only FP8 GEMMs need for wgrad and dgrad; see :mod:`graphpass.fp8.recipes`.
+    """
+    return recipes.quantize(x, recipe, role, columnwise=columnwise)
+
+
+@quantize.register_fake
+def _(x: Tensor, recipe: str, role: str, columnwise: bool) -> tuple[Tensor, Tensor]:
+    # The recipe is plain tensor arithmetic, so it runs on fake tensors and gives exact metadata.
+    return recipes.quantize(x, recipe, role, columnwise=columnwise)
+
+
+@torch.library.custom_op("graphpass::fp8_gemm", mutates_args=())
+def fp8_gemm(
+    a: Tensor,
+    a_scale_inv: Tensor,
+    b: Tensor,
+    b_scale_inv: Tensor,
+    recipe: str,
+    roles: str,
+    out_dtype: torch.dtype,
+    bias: Optional[Tensor],
+    kernel: str,
+) -> Tensor:
+    """``dequant(a) @ dequant(b).T (+ bias)``: a TN GEMM, both operands K-major.
+
+    ``roles`` is ``"<role of a>,<role of b>"`` (``input,weight`` for fprop, ``grad,weight`` for
+    dgrad, ``grad,input`` for wgrad); ``kernel`` names the provider that runs it.
+    """
+    a_role, b_role = roles.split(",")
+    return providers.get(kernel).gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
+                                      out_dtype, bias)
+
+
+@fp8_gemm.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, recipe, roles, out_dtype, bias, kernel):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@register_flop_formula(torch.ops.graphpass.fp8_gemm)
+def _gemm_flops(a_shape, a_scale_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    (m, k), (n, _) = a_shape, b_shape
+    return 2 * m * n * k

@@ -1,0 +1,115 @@
+"""FP8 GEMM kernel providers behind one small interface, and the choice among them.
+
+A provider computes ``dequant(a) @ dequant(b).T (+ bias)`` for operands quantized by
+:mod:`graphpass.fp8.recipes` (both K-major, i.e. Transformer Engine's TN layout).
+
+* ``reference``: pure torch on any device; dequantizes exactly and accumulates in fp32.
+* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise scaling.
+* ``te``: Transformer Engine's ``general_gemm`` (see :mod:`graphpass.fp8.te`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from . import recipes
+
+NAMES = ("te", "scaled_mm", "reference")
+
+
+class Provider(Protocol):
+    name: str
+
+    def supports(self, recipe: str, device: torch.device) -> str | None:
+        """None when this provider can run ``recipe`` on ``device``, else the reason why not."""
+
+    def gemm(self, a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, recipe: str,
+             a_role: str, b_role: str, out_dtype: torch.dtype, bias: Optional[Tensor]) -> Tensor:
+        ...
+
+
+class Reference:
+    name = "reference"
+
+    def supports(self, recipe: str, device: torch.device) -> str | None:
+        return None
+
+    def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias):
+        a32 = recipes.dequantize(a, a_scale_inv, recipe, a_role)
+        b32 = recipes.dequantize(b, b_scale_inv, recipe, b_role)
+        out = a32 @ b32.t()
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        return out.to(out_dtype)
+
+
+class ScaledMM:
+    name = "scaled_mm"
+
+    def supports(self, recipe: str, device: torch.device) -> str | None:
+        if recipe != "tensorwise":
+            return f"torch._scaled_mm runs fp8='tensorwise' here, not {recipe!r}"
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            return "torch._scaled_mm needs a CUDA device of compute capability 8.9 or newer"
+        if device.type not in ("cuda", "cpu"):
+            return f"torch._scaled_mm has no {device.type} kernel"
+        return None
+
+    def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias):
+        # cuBLASLt on Hopper is TN-only: mat2 must be column-major, which b.t() of a row-major
+        # (N, K) tensor is. Bias must be bf16/fp16 and is refused with an fp32 output, so add it
+        # afterwards in those cases.
+        fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
+        out = torch._scaled_mm(
+            a, b.t(), scale_a=a_scale_inv.reshape(()).float(), scale_b=b_scale_inv.reshape(()).float(),
+            bias=bias if fused_bias else None, out_dtype=out_dtype,
+        )
+        if bias is not None and not fused_bias:
+            out = out + bias.to(out_dtype)
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def get(name: str) -> Provider:
+    if name == "reference":
+        return Reference()
+    if name == "scaled_mm":
+        return ScaledMM()
+    if name == "te":
+        from .te import TransformerEngine
+
+        return TransformerEngine()
+    raise ValueError(f"unknown FP8 kernel provider {name!r}; valid providers are: {', '.join(NAMES)}")
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE raises OSError/RuntimeError, not only ImportError, without CUDA
+        return False
+    return True
+
+
+def choose(kernels: str, recipe: str, device: torch.device) -> Provider:
+    """The provider for ``Config(kernels=...)``: ``auto`` prefers TE, then scaled_mm on CUDA."""
+    if kernels == "auto":
+        if device.type == "cuda" and te_available():
+            return get("te")
+        if device.type == "cuda" and get("scaled_mm").supports(recipe, device) is None:
+            return get("scaled_mm")
+        return get("reference")
+    if kernels == "te" and not te_available():
+        raise ValueError(
+            "kernels='te' needs Transformer Engine: pip install 'graphpass[te]' on a CUDA machine, "
+            "or use kernels='auto', 'scaled_mm' or 'reference'"
+        )
+    provider = get(kernels)
+    reason = provider.supports(recipe, device)
+    if reason:
+        raise ValueError(f"kernels={kernels!r} cannot run here: {reason}; use kernels='auto' or "
+                         "'reference'")
+    return provider

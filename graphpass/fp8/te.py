@@ -1,0 +1,70 @@
+"""Transformer Engine as an FP8 GEMM provider (``Config(kernels="te")``).
+
+graphpass quantizes in its own graph nodes, bit-exact with TE's recipes, and hands TE's
+``general_gemm`` the 1-byte operands wrapped in TE's storage class, so the partitioner keeps
+seeing (and saving) plain tensors. Both operands are K-major, which is TE's ``"TN"`` layout:
+``general_gemm(A, B, layout="TN")`` computes ``B @ A.T`` (§1 of the TE reference notes), so
+``a @ b.T`` is ``general_gemm(b, a)``.
+
+Only per-tensor scaling (``fp8="tensorwise"``) is wired to TE here: TE's block-scaled storages
+expect padded, GEMM-swizzled scale layouts that differ between TE releases.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# The TE entry points graphpass calls, with the keyword arguments it passes; the TE test checks
+# them against the installed TE's real signatures.
+CALLS = {
+    "transformer_engine.pytorch.cpp_extensions.general_gemm": (
+        "out_dtype", "layout", "bias", "use_split_accumulator"),
+    "transformer_engine.pytorch.tensor.storage.float8_tensor_storage.Float8TensorStorage": (
+        "data", "fp8_scale_inv", "fp8_dtype", "data_transpose", "quantizer"),
+}
+
+
+class TransformerEngine:
+    name = "te"
+
+    def __init__(self) -> None:
+        import transformer_engine.pytorch  # noqa: F401  (fails clearly where TE is absent)
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.cpp_extensions import general_gemm
+        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
+            Float8TensorStorage,
+        )
+
+        self._gemm = general_gemm
+        self._storage = Float8TensorStorage
+        self._te_dtype = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3,
+                          torch.float8_e5m2: tex.DType.kFloat8E5M2}
+
+    def supports(self, recipe: str, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "Transformer Engine kernels need CUDA"
+        if recipe != "tensorwise":
+            return f"the TE provider runs fp8='tensorwise', not {recipe!r}; use kernels='reference'"
+        return None
+
+    def _wrap(self, data: Tensor, scale_inv: Tensor):
+        return self._storage(data=data, fp8_scale_inv=scale_inv.reshape(1).float(),
+                             fp8_dtype=self._te_dtype[data.dtype], data_transpose=None,
+                             quantizer=None)
+
+    def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
+             bias: Optional[Tensor]):
+        # TE's FP8 GEMMs take a bf16/fp16 bias in the epilogue (linear.py casts fp32 to bf16).
+        fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+        out = self._gemm(
+            self._wrap(b, b_scale_inv), self._wrap(a, a_scale_inv), out_dtype=out_dtype,
+            layout="TN", bias=bias.to(out_dtype) if fused_bias else None,
+            # Float8CurrentScaling: split accumulator off for fprop, on for dgrad/wgrad (§5).
+            use_split_accumulator=a_role == "grad",
+        )[0]
+        if bias is not None and not fused_bias:
+            out = out + bias.to(out_dtype)
+        return out

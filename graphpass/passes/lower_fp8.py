@@ -1,0 +1,151 @@
+"""Lower each linear's forward, dgrad and wgrad GEMMs to quantize + FP8 GEMM nodes.
+
+Transformer Engine's layouts (fprop TN, dgrad NN, wgrad NT) become, with every operand stored
+K-major as Hopper's TN-only FP8 GEMMs need:
+
+    fprop  Y  = X  @ W.T   a = X rowwise         b = W rowwise
+    dgrad  dX = dY @ W     a = dY rowwise        b = W columnwise (W.T, blocks along N)
+    wgrad  dW = dY.T @ X   a = dY columnwise     b = X columnwise (X.T, blocks along M)
+
+Quantizes of forward tensors (X, W, both usages) are forward nodes, as in TE, so by default the
+partitioner saves the 1-byte columnwise copies for the backward; the save-original pass may move
+them into the backward instead. Each forward tensor is quantized once per usage, however many
+linears read it (q, k and v share one quantized norm output).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ..config import Config
+from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
+from ..graph.linears import Linear, find_linears
+from ..graph.nodes import op_name
+
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+_QUANTIZE = torch.ops.graphpass.quantize.default
+_GEMM = torch.ops.graphpass.fp8_gemm.default
+
+
+def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+    if config.fp8 is None:
+        return
+    quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]] = {}
+    for lin in find_linears(joint):
+        reason = why_not_lowered(lin, config)
+        if reason:
+            log.append(f"not lowered: {lin.module or lin.fprop.name}: {reason}")
+            continue
+        device = lin.x.meta["val"].device
+        try:
+            provider = providers.choose(config.kernels, config.fp8, device)
+        except ValueError as e:
+            raise ValueError(f"graphpass fp8 lowering of {lin.module}: {e}") from None
+        _rewrite(joint, lin, config.fp8, provider.name, quantized)
+        missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
+        extra = f"; {', '.join(missing)} not in this graph" if missing else ""
+        log.append(f"lowered: {lin.module} ({provider.name}/{config.fp8}{extra})")
+    joint.graph.lint()
+    joint.recompile()
+
+
+def why_not_lowered(lin: Linear, config: Config) -> str | None:
+    """Why a linear stays in high precision, in the user's words, or None to lower it."""
+    for pattern in config.fp8_exclude:
+        if fnmatch.fnmatchcase(lin.module, pattern):
+            return f"excluded by pattern {pattern!r}"
+    x, w = lin.x.meta["val"], lin.weight.meta["val"]
+    if x.dtype not in _HIGH_PRECISION or w.dtype not in _HIGH_PRECISION:
+        return f"dtype {x.dtype}/{w.dtype} is not float32, bfloat16 or float16"
+    (m, k), n = x.shape, w.shape[0]
+    multiple = recipes.requires_divisibility(config.fp8)
+    # wgrad contracts over M (tokens), so M needs the same alignment as K and N.
+    for dim, size in (("K", k), ("N", n), ("M", m)):
+        if not isinstance(size, int):
+            return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
+        if size % multiple:
+            return f"{dim}={size} not a multiple of {multiple}"
+    flops = 2 * m * n * k
+    if flops < config.fp8_min_gemm_flops:
+        return f"GEMM of {flops:,} FLOPs is below fp8_min_gemm_flops={config.fp8_min_gemm_flops:,}"
+    return None
+
+
+def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
+             quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]]) -> None:
+    graph = joint.graph
+
+    def quantize(x: fx.Node, role: str, columnwise: bool, before: fx.Node, backward: bool):
+        key = (_canonical(x), role, columnwise)
+        if key not in quantized:
+            with graph.inserting_before(before):
+                q = _call(graph, _QUANTIZE, (x, recipe, role, columnwise), before, backward)
+                data = _call(graph, operator.getitem, (q, 0), before, backward)
+                scale = _call(graph, operator.getitem, (q, 1), before, backward)
+            scale.meta["graphpass_kind"] = "fp8_scale"
+            for node in (q, data, scale):
+                node.meta["graphpass_fp8"] = {"role": role, "columnwise": columnwise,
+                                              "source": x, "recipe": recipe}
+            quantized[key] = (data, scale)
+        return quantized[key]
+
+    def gemm(old: fx.Node, a, b, roles: str, bias: fx.Node | None, backward: bool) -> None:
+        with graph.inserting_before(old):
+            new = _call(graph, _GEMM, (*a, *b, recipe, roles, old.meta["val"].dtype, bias,
+                                              kernel), old, backward)
+        old.replace_all_uses_with(new)
+        graph.erase_node(old)
+
+    fprop = lin.fprop
+    qx = quantize(lin.x, "input", False, fprop, backward=False)
+    qw = quantize(lin.weight, "weight", False, fprop, backward=False)
+    if lin.wgrad is not None:
+        qxt = quantize(lin.x, "input", True, fprop, backward=False)
+    if lin.dgrad is not None:
+        qwt = quantize(lin.weight, "weight", True, fprop, backward=False)
+    gemm(fprop, qx, qw, "input,weight", lin.bias, backward=False)
+    if lin.dgrad is not None:
+        qg = quantize(lin.dgrad.args[0], "grad", False, lin.dgrad, backward=True)
+        gemm(lin.dgrad, qg, qwt, "grad,weight", None, backward=True)
+    if lin.wgrad is not None:
+        grad = lin.wgrad.args[0].args[0]  # wgrad reads permute(dY)
+        qgt = quantize(grad, "grad", True, lin.wgrad, backward=True)
+        gemm(lin.wgrad, qgt, qxt, "grad,input", None, backward=True)
+
+
+def _canonical(x: fx.Node) -> Any:
+    """Views of one tensor to one shape are one tensor (each linear may view its 3-D input)."""
+    if op_name(x) in ("aten.view", "aten.reshape", "aten._unsafe_view"):
+        return (_canonical(x.args[0]), tuple(x.args[1]))
+    return x
+
+
+def _call(graph: fx.Graph, target: Callable[..., Any], args: tuple, like: fx.Node,
+          backward: bool) -> fx.Node:
+    """A new node with fake-tensor metadata, on the forward or backward side of ``like``."""
+    node = graph.call_function(target, args)
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    if target is operator.getitem:
+        node.meta["val"] = vals[0][vals[1]]
+    else:
+        with fake_mode or _nullcontext():
+            node.meta["val"] = target(*vals)
+    node.meta["partitioner_tag"] = "is_backward" if backward else "is_forward"
+    for key in ("nn_module_stack", "fwd_nn_module_stack", "seq_nr", "stack_trace"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    return node
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
