@@ -51,6 +51,12 @@ class Config:
             )
         for name, valid in CHOICES.items():
             _choice(name, getattr(self, name), valid)
+        if self.kernels in ("scaled_mm", "te") and self.fp8 not in (None, "tensorwise"):
+            raise ValueError(
+                f"invalid graphpass options kernels={self.kernels!r} with fp8={self.fp8!r}: that "
+                "provider runs fp8='tensorwise' only; use kernels='reference' (or 'auto') for "
+                f"fp8={self.fp8!r}"
+            )
         _type("report", self.report, bool)
         if isinstance(self.fp8_exclude, str) or not all(isinstance(p, str) for p in self.fp8_exclude):
             raise ValueError(

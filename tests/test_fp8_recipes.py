@@ -569,10 +569,19 @@ def test_meta_and_fake_tensors(name, role, columnwise):
         assert data.shape == (r, c) and scale_inv.shape == expected_scale
 
 
+def special_values_tensor(seed: int) -> torch.Tensor:
+    """Random magnitudes over 2^±40 with zeros, ±inf and NaN sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    exponent = torch.randint(-40, 40, (160, 256), generator=g).float()
+    x = torch.randn(160, 256, generator=g) * torch.exp2(exponent)
+    x[torch.rand(160, 256, generator=g) < 0.05] = 0.0
+    x[3, 7], x[9, 100], x[100, 200], x[150, 31] = INF, -INF, NAN, 2.0**-140
+    return x
+
+
 def test_traces_without_graph_breaks():
     torch._dynamo.reset()
-    x = torch.randn(64, 160, generator=torch.Generator().manual_seed(1))
-    x[3, 7], x[9, 100] = INF, NAN
+    x = special_values_tensor(1)
 
     def all_recipes(t: torch.Tensor) -> list:
         return [qdq(t, name, "grad", columnwise=True) for name in RECIPE_NAMES]
@@ -582,33 +591,25 @@ def test_traces_without_graph_breaks():
         assert_same(got, want)
 
 
-def special_values_tensor(seed: int) -> torch.Tensor:
-    """Random magnitudes over 2^±40 with zeros, ±inf and NaN sprinkled in."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(160, 256, generator=g) * torch.exp2(torch.randint(-40, 40, (160, 256), generator=g).float())
-    x[torch.rand(160, 256, generator=g) < 0.05] = 0.0
-    x[3, 7], x[9, 100], x[100, 200], x[150, 31] = INF, -INF, NAN, 2.0**-140
-    return x
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_matches_cpu(compiled):
+    cases = [(n, r, c) for n in RECIPE_NAMES for r in ROLES for c in (False, True)]
+
+    def all_cases(t: torch.Tensor) -> list:
+        return [quantize(t, n, r, columnwise=c) for n, r, c in cases]
+
     x = special_values_tensor(2)
-    for name in RECIPE_NAMES:
-        for role in ROLES:
-            for columnwise in (False, True):
-                fn = lambda t: quantize(t, name, role, columnwise=columnwise)  # noqa: E731
-                if compiled:
-                    torch._dynamo.reset()
-                    fn = torch.compile(fn, fullgraph=True)
-                want_data, want_scale = quantize(x, name, role, columnwise=columnwise)
-                got_data, got_scale = (t.cpu() for t in fn(x.cuda()))
-                nan = torch.isnan(want_data.float())
-                assert torch.equal(torch.isnan(got_data.float()), nan)
-                assert torch.equal(got_data.view(torch.uint8)[~nan], want_data.view(torch.uint8)[~nan])
-                assert torch.equal(got_scale, want_scale), (name, role, columnwise)
+    fn = torch.compile(all_cases, fullgraph=True) if compiled else all_cases
+    for case, (got_data, got_scale), (want_data, want_scale) in zip(
+        cases, fn(x.cuda()), all_cases(x)
+    ):
+        got_bits, want_bits = got_data.cpu().view(torch.uint8), want_data.view(torch.uint8)
+        nan = torch.isnan(want_data.float())
+        assert torch.equal(torch.isnan(got_data.cpu().float()), nan), case
+        assert torch.equal(got_bits[~nan], want_bits[~nan]), case  # NaN's sign bit may differ
+        assert torch.equal(got_scale.cpu(), want_scale), case
 
 
 # --- property: round-trip error -----------------------------------------------------------------

@@ -25,9 +25,10 @@ import torch.fx as fx
 from ..config import Config
 from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
 from ..graph.linears import Linear, find_linears
-from ..graph.nodes import op_name
+from ..graph.nodes import module_path, op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+_VIEWS = ("aten.view", "aten.permute", "aten.expand", "aten.reshape", "aten._unsafe_view")
 _QUANTIZE = torch.ops.graphpass.quantize.default
 _GEMM = torch.ops.graphpass.fp8_gemm.default
 
@@ -39,7 +40,7 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
     for lin in find_linears(joint):
         reason = why_not_lowered(lin, config)
         if reason:
-            log.append(f"not lowered: {lin.module or lin.fprop.name}: {reason}")
+            log.append(f"not lowered: {lin.module or '<root>'}: {reason}")
             continue
         device = lin.x.meta["val"].device
         try:
@@ -49,9 +50,26 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         _rewrite(joint, lin, config.fp8, provider.name, quantized)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
-        log.append(f"lowered: {lin.module} ({provider.name}/{config.fp8}{extra})")
+        log.append(f"lowered: {lin.module or '<root>'} ({provider.name}/{config.fp8}{extra})")
+    for module in grouped_gemm_modules(joint):
+        log.append(f"not lowered: {module}: grouped GEMM (bmm over 3-D expert weights) stays in "
+                   "high precision; only nn.Linear-style mm/addmm GEMMs are lowered")
     joint.graph.lint()
     joint.recompile()
+
+
+def grouped_gemm_modules(joint: fx.GraphModule) -> list[str]:
+    """Modules whose forward multiplies by a 3-D weight with bmm (MoE routed experts)."""
+    modules = []
+    for node in joint.graph.nodes:
+        if op_name(node) != "aten.bmm" or node.meta.get("partitioner_tag") == "is_backward":
+            continue
+        weight = node.args[1]
+        while weight.op == "call_function" and op_name(weight) in _VIEWS:
+            weight = weight.args[0]
+        if weight.op == "placeholder" and weight.meta["val"].dim() == 3:
+            modules.append(module_path(node))
+    return list(dict.fromkeys(modules))
 
 
 def why_not_lowered(lin: Linear, config: Config) -> str | None:

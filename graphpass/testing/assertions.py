@@ -1,0 +1,215 @@
+"""Assertions for the memory contracts of a training graph, usable with or without pytest.
+
+Each takes a :class:`~graphpass.Report` (``graphpass.plan(...)`` or ``graphpass.last_report()``)
+and raises ``AssertionError`` naming the rows that break the contract.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import os
+from pathlib import Path
+from typing import Literal, Sequence, Union
+
+import torch.nn as nn
+
+from ..report import Report, Row, format_bytes
+from .diff import diff
+from .snapshot import Snapshot, format_shape
+
+Baseline = Union[Report, Snapshot, str, "os.PathLike[str]"]
+_SHOWN = 10  # offending rows listed in a message; more are counted
+
+
+def assert_matches_snapshot(
+    report: Report | None,
+    path: Union[str, "os.PathLike[str]"],
+    *,
+    update: bool = False,
+    write_missing: bool = True,
+) -> Literal["matched", "written", "updated"]:
+    """Compare ``report`` with the snapshot file at ``path``.
+
+    A missing file is written (``write_missing``, the default outside CI) or is a failure; with
+    ``update`` a differing file is rewritten. A mismatch raises with what grew, by how many bytes,
+    from which module.
+    """
+    text = Snapshot.from_report(_require(report)).render()
+    path = Path(path)
+    if not path.exists():
+        if not write_missing:
+            raise AssertionError(f"graphpass snapshot {path} does not exist; run pytest once "
+                                 "outside CI mode (or with --graphpass-update) and commit it")
+        _write(path, text)
+        return "written"
+    old = path.read_text()
+    if old == text:
+        return "matched"
+    if update:
+        _write(path, text)
+        return "updated"
+    changes = diff(Snapshot.parse(old), Snapshot.parse(text))
+    detail = changes.lines() if changes else [
+        "rows are equal but the text is not (format or totals edited?):",
+        *difflib.unified_diff(old.splitlines(), text.splitlines(), "snapshot", "now", lineterm=""),
+    ]
+    raise AssertionError("\n".join([
+        f"saved tensors differ from graphpass snapshot {path}",
+        *detail,
+        "if the change is intended, rerun with --graphpass-update and commit the snapshot",
+    ]))
+
+
+def assert_activation_bytes_at_most(report: Report | None, limit: int) -> None:
+    """Activation bytes (parameters not counted) are at most ``limit``."""
+    report = _require(report)
+    if report.activation_bytes > limit:
+        over = report.activation_bytes - limit
+        raise AssertionError(
+            f"activation bytes {report.activation_bytes:,} exceed the limit {limit:,} by {over:,} B "
+            f"({format_bytes(over)}); largest saved rows:\n"
+            + _listing(sorted((r for r in report.rows if r.is_activation), key=lambda r: -r.bytes))
+        )
+
+
+def assert_activation_growth_at_most(report: Report | None, baseline: Baseline, percent: float) -> None:
+    """Activation bytes are at most ``percent`` % above ``baseline``.
+
+    ``baseline`` is a Report, a Snapshot, a snapshot file or a report JSON file
+    (``graphpass report --json``).
+    """
+    base = baseline if isinstance(baseline, (Report, Snapshot)) else Snapshot.load(baseline)
+    changes = diff(base, _require(report))
+    old, new = changes.before.activation_bytes, changes.after.activation_bytes
+    if new > old * (1 + percent / 100):
+        grown = [c for c in changes.changes if c.delta > 0]
+        raise AssertionError("\n".join([
+            f"activation bytes grew more than {percent}% over the baseline:",
+            *changes.lines()[:1],
+            *(f"  {c.describe()}" for c in grown[:_SHOWN]),
+            *([f"  ... and {len(grown) - _SHOWN} more grown rows"] if len(grown) > _SHOWN else []),
+        ]))
+
+
+def assert_saved_in_one_dtype(report: Report | None) -> None:
+    """No tensor is saved twice in two dtypes (say bf16 and its FP8 copy).
+
+    Rows from the same module and producing op with the same shape, saved in two floating dtypes,
+    are one tensor kept twice. Integer and bool rows (top-k indices next to values) and FP8 scales
+    are other tensors and are not compared.
+    """
+    groups: dict[tuple[str, str, tuple[int, ...]], list[Row]] = {}
+    for r in _require(report).rows:
+        if r.kind in ("activation", "fp8_data") and r.dtype.startswith(("float", "bfloat")):
+            groups.setdefault((r.module, r.op, r.shape), []).append(r)
+    twice = [rows for rows in groups.values() if len({r.dtype for r in rows}) > 1]
+    if twice:
+        raise AssertionError(
+            f"{len(twice)} tensor(s) saved in more than one dtype (same module, op and shape):\n"
+            + _listing([r for rows in twice for r in rows])
+        )
+
+
+def assert_recomputed(
+    report: Report | None, *targets: Union[str, type[nn.Module]], model: nn.Module | None = None
+) -> None:
+    """Nothing the given modules compute is saved: they are recomputed in backward.
+
+    ``targets`` are module-path patterns (fnmatch: ``"*norm*"``, ``"layers.*.mlp"``; a module's
+    submodules count as part of it) or module classes, which need ``model`` to find their paths.
+    Parameters are kept by the optimizer anyway and are not checked; rows whose decision says
+    ``recomputed`` are fine.
+    """
+    if not targets:
+        raise ValueError("name at least one module-path pattern or module class")
+    patterns = [t for t in targets if isinstance(t, str)]
+    classes = tuple(t for t in targets if not isinstance(t, str))
+    if classes:
+        if model is None:
+            raise ValueError("module classes need model=: the report holds module paths, not classes")
+        patterns += [path for path, m in model.named_modules() if path and isinstance(m, classes)]
+    offending = [
+        r for r in _require(report).rows
+        if r.is_activation and not is_recomputed(r)
+        and any(fnmatch.fnmatchcase(r.module, p) or fnmatch.fnmatchcase(r.module, p + ".*") for p in patterns)
+    ]
+    if offending:
+        names = ", ".join(t if isinstance(t, str) else t.__name__ for t in targets)
+        raise AssertionError(f"{len(offending)} saved row(s) come from modules that should be "
+                             f"recomputed ({names}):\n" + _listing(offending))
+
+
+def assert_no_parameter_offloaded(report: Report | None) -> None:
+    """No parameter is offloaded to host memory: the optimizer step needs them on the device."""
+    offending = [r for r in _require(report).rows if r.kind == "parameter" and is_offloaded(r)]
+    if offending:
+        raise AssertionError(f"{len(offending)} parameter(s) offloaded:\n" + _listing(offending))
+
+
+def assert_fp8_lowered(
+    report: Report | None,
+    *,
+    allowed: Sequence[str] = ("excluded by pattern *",),
+    model: nn.Module | None = None,
+) -> None:
+    """Every linear is lowered to FP8, or left in high precision for an allowed reason.
+
+    Reads the FP8 pass's notes (``lowered: <module> ...`` and ``not lowered: <module>: <reason>``).
+    ``allowed`` are fnmatch patterns of reasons; with ``model``, every ``nn.Linear`` in it must have
+    a note, so a linear the pass never saw fails too.
+    """
+    lowered, not_lowered = set(), {}
+    for note in _require(report).notes:
+        if note.startswith("lowered: "):
+            lowered.add(note.removeprefix("lowered: ").split(" (", 1)[0])
+        elif note.startswith("not lowered: "):
+            module, _, reason = note.removeprefix("not lowered: ").partition(": ")
+            not_lowered[module] = reason
+    problems = [f"  {m}: {reason}" for m, reason in sorted(not_lowered.items())
+                if not any(fnmatch.fnmatchcase(reason, a) for a in allowed)]
+    if model is not None:
+        seen = lowered | set(not_lowered)
+        problems += [f"  {path}: no FP8 note (the pass did not see this linear)"
+                     for path, m in model.named_modules() if isinstance(m, nn.Linear) and path not in seen]
+    if not lowered and not not_lowered:
+        problems.append("  the report has no FP8 lowering notes: was it planned with fp8 set?")
+    if problems:
+        raise AssertionError(f"linears not lowered to FP8 for a reason outside {list(allowed)}:\n"
+                             + "\n".join(problems))
+
+
+def is_offloaded(row: Row) -> bool:
+    """Whether a pass decided to offload the row (``offload: yes``; ``offload: no`` is not)."""
+    return any(d.startswith("offload") and d != "offload: no" for d in _decisions(row))
+
+
+def is_recomputed(row: Row) -> bool:
+    return any(d.startswith("recomputed") for d in _decisions(row))
+
+
+def _decisions(row: Row) -> list[str]:
+    # Passes append their decisions; saved.py joins them with "; ".
+    return [part.strip() for part in row.decision.split(";")]
+
+
+def _require(report: Report | None) -> Report:
+    if report is None:
+        raise AssertionError("no report: nothing was partitioned by graphpass in this process yet "
+                             "(compile with graphpass.backend() and run backward, or use graphpass.plan)")
+    return report
+
+
+def _listing(rows: Sequence[Row]) -> str:
+    lines = [f"  {r.module or '(no module)'}: {r.op} {r.dtype} {format_shape(r.shape)} {r.kind} "
+             f"{r.bytes:,} B ({r.decision})" for r in rows[:_SHOWN]]
+    if len(rows) > _SHOWN:
+        lines.append(f"  ... and {len(rows) - _SHOWN} more")
+    return "\n".join(lines)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # "\n" on every platform: the file is committed and compared byte for byte.
+    with open(path, "w", newline="\n") as f:
+        f.write(text)
