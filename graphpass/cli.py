@@ -1,19 +1,203 @@
-"""``python -m graphpass``: saved-tensor reports of example models or any model factory."""
+"""``python -m graphpass``: saved-tensor reports of example models or any model factory, and diffs.
+
+    graphpass report --model llama --size real --fp8 tensorwise
+    graphpass report --model mypkg.models:build --policy fp8=none --policy fp8=tensorwise --plot m.png
+    graphpass diff before.json after.json     # exit 1 when activation bytes grew
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import importlib
+import inspect
+import json
 import os
 import sys
-from typing import Any, Callable, Sequence
+import textwrap
+import time
+import typing
+from typing import Any, Callable, NoReturn, Sequence
+
+from .config import CHOICES, Config
 
 EXAMPLES = ("llama", "gpt", "deepseek")
+PLOT_INSTALL = "pip install 'graphpass[plot]'"
+# plan() traces without generating code, so its reports say so.
+PLAN_DEFAULTS = {"codegen": "eager"}
 
 
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2, no traceback."""
 
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+# -- config flags, generated from the Config dataclass ------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFlag:
+    """One ``Config`` field as a command-line flag and as a ``key=value`` policy item."""
+
+    name: str
+    convert: Callable[[str], Any]
+    metavar: str | None
+    is_bool: bool
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def config_flags(
+    config_cls: type = Config, choices: dict[str, tuple[Any, ...]] = CHOICES
+) -> list[ConfigFlag]:
+    """A flag per dataclass field, so fields added to ``Config`` appear without touching the CLI.
+
+    Choice fields take one of ``choices[name]`` (``None`` written ``none``), bools are
+    ``--x/--no-x``, ``tuple[str, ...]`` fields are comma-separated and ints, floats and strings
+    are taken as such; any other field type is a TypeError here rather than a silently missing flag.
+    """
+    hints = typing.get_type_hints(config_cls)
+    docs = _field_docs(config_cls)
+    flags = []
+    for f in dataclasses.fields(config_cls):
+        hint, metavar = hints[f.name], None
+        if f.name in choices:
+            convert, metavar = _choice(choices[f.name]), "{" + ",".join(map(show, choices[f.name])) + "}"
+        elif hint is bool:
+            convert = _bool
+        elif hint in (int, float):
+            convert, metavar = _number(hint), hint.__name__.upper()
+        elif hint is str:
+            convert = str
+        elif hint == tuple[str, ...]:
+            convert, metavar = _csv, "A,B,..."
+        else:
+            raise TypeError(f"{config_cls.__name__}.{f.name} has type {hint!r}, which the CLI cannot "
+                            "express as a flag: give it CHOICES or a bool/int/float/str/tuple[str, ...] type")
+        help_text = f"{docs.get(f.name, '')} (default: {_default(f)})".strip()
+        flags.append(ConfigFlag(f.name, convert, metavar, hint is bool, help_text.replace("%", "%%")))
+    return flags
+
+
+def show(value: Any) -> str:
+    """A config value as it is written on the command line."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return show(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return show(f.default_factory())
+    return "required"
+
+
+def add_config_flags(parser: argparse.ArgumentParser, flags: Sequence[ConfigFlag]) -> None:
+    group = parser.add_argument_group("graphpass options (fields of graphpass.Config)")
+    for fl in flags:
+        # SUPPRESS: only flags the user gave reach Config, so its defaults stay the defaults.
+        if fl.is_bool:
+            group.add_argument(fl.flag, dest=f"cfg_{fl.name}", action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=fl.help)
+        else:
+            group.add_argument(fl.flag, dest=f"cfg_{fl.name}", type=_argtype(fl), metavar=fl.metavar,
+                               default=argparse.SUPPRESS, help=fl.help)
+
+
+def parse_policy(spec: str, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
+    """``"fp8=tensorwise fp8_exclude=output,lm_head"`` -> options, with the flags' value syntax."""
+    by_name = {fl.name: fl for fl in flags}
+    options = {}
+    for item in spec.split():
+        key, eq, value = item.partition("=")
+        key = key.lstrip("-").replace("-", "_")
+        if not eq or not key:
+            raise CLIError(f"policy {spec!r}: expected space-separated key=value items such as "
+                           "'fp8=tensorwise kernels=reference'")
+        if key not in by_name:
+            raise CLIError(f"policy {spec!r}: unknown option {key!r}; valid options: {', '.join(by_name)}")
+        try:
+            options[key] = by_name[key].convert(value)
+        except ValueError as e:
+            raise CLIError(f"policy {spec!r}: {key}: {e}") from None
+    return options
+
+
+def _choice(valid: tuple[Any, ...]) -> Callable[[str], Any]:
+    by_text = {show(v): v for v in valid}
+
+    def convert(text: str) -> Any:
+        if text not in by_text:
+            raise ValueError(f"{text!r} is not one of {', '.join(by_text)}")
+        return by_text[text]
+
+    return convert
+
+
+def _bool(text: str) -> bool:
+    value = {"true": True, "yes": True, "on": True, "1": True,
+             "false": False, "no": False, "off": False, "0": False}.get(text.lower())
+    if value is None:
+        raise ValueError(f"expected true or false, got {text!r}")
+    return value
+
+
+def _number(typ: type) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return typ(text.replace("_", ""))
+        except ValueError:
+            raise ValueError(f"expected {'an integer' if typ is int else 'a number'}, got {text!r}") from None
+
+    return convert
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _argtype(fl: ConfigFlag) -> Callable[[str], Any]:
+    # argparse shows only ArgumentTypeError messages; a ValueError would become "invalid value".
+    def parse(text: str) -> Any:
+        try:
+            return fl.convert(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = fl.name
+    return parse
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string after each field), for ``--help``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (frozen app): flags without help text
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for field_node, doc in zip(body, body[1:]):
+        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            docs[field_node.target.id] = " ".join(doc.value.value.replace("``", "").split())
+    return docs
+
+
+# -- models -------------------------------------------------------------------------------------
 
 def resolve_factory(model: str) -> Callable[..., Any]:
     """``llama`` -> ``examples.llama:build``; ``pkg.mod:fn`` -> that function."""
@@ -29,8 +213,9 @@ def resolve_factory(model: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise CLIError(f"cannot import {module_name!r} for model {model!r}: {e}; "
-                       "check the module path and that it is importable from here") from None
+        fix = ("run from the root of a graphpass source checkout, where examples/ lives"
+               if model in EXAMPLES else "check the module path and that it is importable from here")
+        raise CLIError(f"cannot import {module_name!r} for model {model!r} ({e}); {fix}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise CLIError(f"{module_name!r} has no function {attr!r}; name a function returning "
@@ -38,51 +223,146 @@ def resolve_factory(model: str) -> Callable[..., Any]:
     return factory
 
 
-def _build(model: str, size: str, layers: int | None) -> tuple[Any, tuple[Any, ...]]:
+def build_model(model: str, size: str, layers: int | None) -> tuple[Any, tuple[Any, ...]]:
     factory = resolve_factory(model)
-    kwargs: dict[str, Any] = {"size": size}
-    if layers is not None:
-        kwargs["layers"] = layers
+    kwargs: dict[str, Any] = {"size": size} if layers is None else {"size": size, "layers": layers}
     try:
-        return factory(**kwargs)
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError:
+        raise CLIError(f"factory {model!r} must accept {', '.join(f'{k}=' for k in kwargs)}") from None
+    except ValueError:  # no signature to check (a builtin): let the call itself tell
+        pass
+    try:
+        built = factory(**kwargs)
     except ValueError as e:
         raise CLIError(f"model {model!r}: {e}") from None
+    if not (isinstance(built, (tuple, list)) and len(built) == 2 and isinstance(built[1], (tuple, list))):
+        raise CLIError(f"factory {model!r} returned {type(built).__name__}; it must return "
+                       "(model, example_inputs) with example_inputs a tuple")
+    return built[0], tuple(built[1])
 
 
-def _config(args: argparse.Namespace):
-    from .config import Config
-
-    try:
-        return Config.from_options(codegen="eager")
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-
+# -- commands -----------------------------------------------------------------------------------
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .plan import plan
 
-    model, inputs = _build(args.model, args.size, args.layers)
-    report = plan(model, *inputs, config=_config(args))
-    print(report.to_json() if args.json else report.table())
+    if args.plot:
+        _require_matplotlib()
+    models = args.model or ["llama"]
+    given = {k.removeprefix("cfg_"): v for k, v in vars(args).items() if k.startswith("cfg_")}
+    if args.policy:
+        specs = [(spec, parse_policy(spec, args.config_flags)) for spec in args.policy]
+    else:
+        specs = [(" ".join(f"{k}={show(v)}" for k, v in given.items()) or "default options", {})]
+    policies = []
+    for label, options in specs:
+        try:
+            policies.append((label, Config.from_options(**{**PLAN_DEFAULTS, **given, **options})))
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+    for model_name in models:  # a bad name fails now, not after planning the models before it
+        resolve_factory(model_name)
+
+    results = []
+    step, steps = 0, len(models) * len(policies)
+    for model_name in models:
+        module, inputs = build_model(model_name, args.size, args.layers)
+        for label, config in policies:
+            step += 1
+            print(f"[{step}/{steps}] planning {model_name} {args.size} {label} ...",
+                  end="", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            report = plan(module, *inputs, config=config)
+            print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+            results.append((model_name, label, report))
+
+    if args.json:
+        if len(results) == 1:
+            print(results[0][2].to_json())
+        else:
+            print(json.dumps({"reports": [
+                {"model": m, "size": args.size, "policy": label, "report": r.to_dict()}
+                for m, label, r in results
+            ]}, indent=1))
+    else:
+        print("\n\n".join(r.table() if len(results) == 1 else f"== {m} {args.size} {label} ==\n{r.table()}"
+                          for m, label, r in results))
+    if args.plot:
+        from .plot import plot_saved_bytes
+
+        panels: dict[str, list[tuple[str, Any]]] = {}
+        for m, label, r in results:
+            panels.setdefault(f"{m} ({args.size})", []).append((label, r))
+        plot_saved_bytes(panels, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    from .testing import diff
+
+    changes = diff(_load(args.before), _load(args.after))
+    print(f"graphpass diff {args.before} -> {args.after}")
+    print(changes)
+    return 1 if changes.grew else 0
+
+
+def _load(path: str):
+    from .testing import Snapshot
+
+    try:
+        return Snapshot.load(path)
+    except OSError as e:
+        raise CLIError(f"cannot read {path!r} ({e.strerror}); pass files written by "
+                       "'graphpass report --json' or graphpass snapshot files") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CLIError(f"{path!r} is not one graphpass report ({type(e).__name__}: {e}); pass the JSON of "
+                       "'graphpass report --json' for one model and policy, or a snapshot file") from None
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CLIError(f"--plot needs matplotlib, which is not installed: {PLOT_INSTALL}") from None
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graphpass", description=__doc__)
+    p = _Parser(prog="graphpass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("report", help="plan a model under fake tensors and print what it saves")
-    r.add_argument("--model", default="llama",
-                   help=f"{', '.join(EXAMPLES)} or 'package.module:factory' (default llama)")
-    r.add_argument("--size", default="tiny", help="tiny or real (example models; default tiny)")
-    r.add_argument("--layers", type=int, default=None, help="number of layers to build")
-    r.add_argument("--json", action="store_true", help="print the report as JSON")
-    r.set_defaults(run=cmd_report)
+
+    r = sub.add_parser("report", help="plan models under fake tensors and print what they save",
+                       description="Plan models under fake tensors and print what they save for backward.")
+    r.add_argument("--model", action="append",
+                   help=f"{', '.join(EXAMPLES)} or 'package.module:factory', a function accepting size= "
+                        "and returning (model, example_inputs); repeat for several (default llama)")
+    r.add_argument("--size", default="tiny", help="size passed to the factory: tiny or real for the examples "
+                                                 "(default tiny)")
+    r.add_argument("--layers", type=int, default=None, help="number of layers to build (passed as layers=)")
+    r.add_argument("--policy", action="append", metavar="'KEY=VALUE ...'",
+                   help="plan once per policy, each the options below plus these items "
+                        "(e.g. --policy fp8=none --policy 'fp8=tensorwise kernels=reference')")
+    r.add_argument("--json", action="store_true", help="print the report as JSON (several: under 'reports')")
+    r.add_argument("--plot", metavar="OUT.png",
+                   help=f"bar chart of saved bytes per layer and kind, policies side by side ({PLOT_INSTALL})")
+    flags = config_flags()
+    add_config_flags(r, flags)
+    r.set_defaults(run=cmd_report, config_flags=flags)
+
+    d = sub.add_parser("diff", help="what changed between two reports; exit 1 when activation bytes grew",
+                       description="Rows added, removed and changed between two reports (JSON from "
+                                   "'graphpass report --json', or snapshot files); exit status 1 when "
+                                   "activation bytes grew, 0 otherwise.")
+    d.add_argument("before")
+    d.add_argument("after")
+    d.set_defaults(run=cmd_diff)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
     try:
+        args = parser().parse_args(argv)
         return args.run(args)
     except CLIError as e:
         print(f"graphpass: error: {e}", file=sys.stderr)

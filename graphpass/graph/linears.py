@@ -6,9 +6,9 @@ After AOTAutograd (with Inductor's decompositions) a linear ``y = x @ W.T + b`` 
     dgrad:  mm(g2d, permute(permute(W)))        dX = dY @ W    (backward)
     wgrad:  mm(permute(g2d, [1, 0]), x2d)       dW = dY.T @ X  (backward)
 
-where ``x2d`` is x itself or its 2-D view for 3-D inputs. We follow operands from each forward
-GEMM to a weight placeholder, then find the backward GEMMs that read the same weight and the
-same ``x2d``.
+where ``x2d`` is x itself or its 2-D view for 3-D inputs, and under autocast W is read through
+a dtype cast. We follow operands from each forward GEMM to a weight placeholder, then find the
+backward GEMMs that read the same weight and the same ``x2d``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ import torch.fx as fx
 from .nodes import is_backward, module_path, op_name
 
 _TRANSPOSES = ("aten.permute", "aten.t")
+_CASTS = ("prims.convert_element_type", "aten._to_copy")
 
 
 @dataclass
 class Linear:
     module: str
     weight: fx.Node
+    """The weight's placeholder (a parameter, or a primal of a traced function)."""
+    w: fx.Node
+    """The (N, K) weight the GEMMs read: ``weight`` itself, or its cast under autocast."""
     x: fx.Node
     fprop: fx.Node
     bias: fx.Node | None = None
@@ -50,6 +54,12 @@ def _untranspose(node: fx.Node) -> tuple[fx.Node, bool]:
     return node, flipped
 
 
+def _uncast(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and op_name(node) in _CASTS:
+        node = node.args[0]
+    return node
+
+
 def _is_2d_transpose(node: fx.Node) -> bool:
     if op_name(node) == "aten.t":
         return True
@@ -65,12 +75,13 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
             continue
         bias = node.args[0] if name == "aten.addmm" else None
         x, wt = node.args[-2:]
-        weight, flipped = _untranspose(wt)
+        w, flipped = _untranspose(wt)
+        weight = _uncast(w)
         if not flipped or weight.op != "placeholder" or len(weight.meta["val"].shape) != 2:
             continue
         if bias is not None and len(bias.meta["val"].shape) != 1:
             continue  # addmm with a full matrix is not a linear's bias
-        linears.append(Linear(module_path(node), weight, x, node, bias))
+        linears.append(Linear(module_path(node), weight, w, x, node, bias))
 
     # wgrad: the backward GEMM whose result is the weight's gradient output. The joint graph
     # returns (forward outputs..., one gradient per primal), so gradients are the last outputs.
@@ -81,7 +92,7 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
         grad = grad_of.get(lin.weight)
         if not isinstance(grad, fx.Node):
             continue
-        base, flipped = _untranspose(grad)
+        base, flipped = _untranspose(_uncast(grad))
         if (not flipped and op_name(base) == "aten.mm" and is_backward(base)
                 and base.args[1] is lin.x and _untranspose(base.args[0])[1]):
             lin.wgrad = base
@@ -93,6 +104,7 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
             continue
         g, w = node.args
         base, flipped = _untranspose(w)
+        base = _uncast(base)
         if flipped or base.op != "placeholder":
             continue
         candidates = [lin for lin in linears if lin.weight is base and lin.dgrad is None]

@@ -77,7 +77,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     for pattern in config.fp8_exclude:
         if fnmatch.fnmatchcase(lin.module, pattern):
             return f"excluded by pattern {pattern!r}"
-    x, w = lin.x.meta["val"], lin.weight.meta["val"]
+    x, w = lin.x.meta["val"], lin.w.meta["val"]
     if x.dtype not in _HIGH_PRECISION or w.dtype not in _HIGH_PRECISION:
         return f"dtype {x.dtype}/{w.dtype} is not float32, bfloat16 or float16"
     (m, k), n = x.shape, w.shape[0]
@@ -121,11 +121,11 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
 
     fprop = lin.fprop
     qx = quantize(lin.x, "input", False, fprop, backward=False)
-    qw = quantize(lin.weight, "weight", False, fprop, backward=False)
+    qw = quantize(lin.w, "weight", False, fprop, backward=False)
     if lin.wgrad is not None:
         qxt = quantize(lin.x, "input", True, fprop, backward=False)
     if lin.dgrad is not None:
-        qwt = quantize(lin.weight, "weight", True, fprop, backward=False)
+        qwt = quantize(lin.w, "weight", True, fprop, backward=False)
     gemm(fprop, qx, qw, "input,weight", lin.bias, backward=False)
     if lin.dgrad is not None:
         qg = quantize(lin.dgrad.args[0], "grad", False, lin.dgrad, backward=True)

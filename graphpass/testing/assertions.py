@@ -35,6 +35,7 @@ def assert_matches_snapshot(
     ``update`` a differing file is rewritten. A mismatch raises with what grew, by how many bytes,
     from which module.
     """
+    __tracebackhide__ = True  # pytest shows the caller's line, not ours
     text = Snapshot.from_report(_require(report)).render()
     path = Path(path)
     if not path.exists():
@@ -63,6 +64,7 @@ def assert_matches_snapshot(
 
 def assert_activation_bytes_at_most(report: Report | None, limit: int) -> None:
     """Activation bytes (parameters not counted) are at most ``limit``."""
+    __tracebackhide__ = True
     report = _require(report)
     if report.activation_bytes > limit:
         over = report.activation_bytes - limit
@@ -79,6 +81,7 @@ def assert_activation_growth_at_most(report: Report | None, baseline: Baseline, 
     ``baseline`` is a Report, a Snapshot, a snapshot file or a report JSON file
     (``graphpass report --json``).
     """
+    __tracebackhide__ = True
     base = baseline if isinstance(baseline, (Report, Snapshot)) else Snapshot.load(baseline)
     changes = diff(base, _require(report))
     old, new = changes.before.activation_bytes, changes.after.activation_bytes
@@ -99,6 +102,7 @@ def assert_saved_in_one_dtype(report: Report | None) -> None:
     are one tensor kept twice. Integer and bool rows (top-k indices next to values) and FP8 scales
     are other tensors and are not compared.
     """
+    __tracebackhide__ = True
     groups: dict[tuple[str, str, tuple[int, ...]], list[Row]] = {}
     for r in _require(report).rows:
         if r.kind in ("activation", "fp8_data") and r.dtype.startswith(("float", "bfloat")):
@@ -121,6 +125,7 @@ def assert_recomputed(
     Parameters are kept by the optimizer anyway and are not checked; rows whose decision says
     ``recomputed`` are fine.
     """
+    __tracebackhide__ = True
     if not targets:
         raise ValueError("name at least one module-path pattern or module class")
     patterns = [t for t in targets if isinstance(t, str)]
@@ -142,6 +147,7 @@ def assert_recomputed(
 
 def assert_no_parameter_offloaded(report: Report | None) -> None:
     """No parameter is offloaded to host memory: the optimizer step needs them on the device."""
+    __tracebackhide__ = True
     offending = [r for r in _require(report).rows if r.kind == "parameter" and is_offloaded(r)]
     if offending:
         raise AssertionError(f"{len(offending)} parameter(s) offloaded:\n" + _listing(offending))
@@ -159,6 +165,7 @@ def assert_fp8_lowered(
     ``allowed`` are fnmatch patterns of reasons; with ``model``, every ``nn.Linear`` in it must have
     a note, so a linear the pass never saw fails too.
     """
+    __tracebackhide__ = True
     lowered, not_lowered = set(), {}
     for note in _require(report).notes:
         if note.startswith("lowered: "):
@@ -194,6 +201,7 @@ def _decisions(row: Row) -> list[str]:
 
 
 def _require(report: Report | None) -> Report:
+    __tracebackhide__ = True
     if report is None:
         raise AssertionError("no report: nothing was partitioned by graphpass in this process yet "
                              "(compile with graphpass.backend() and run backward, or use graphpass.plan)")

@@ -20,7 +20,8 @@ from typing import Iterable, Union
 from ..graph.nodes import layer_of
 from ..report import Report, Row
 
-HEADER = "# graphpass saved-tensor snapshot v1 (regenerate: pytest --graphpass-update)"
+MAGIC = "# graphpass saved-tensor snapshot"
+HEADER = f"{MAGIC} v1 (regenerate: pytest --graphpass-update)"
 COLUMNS = "# module | op | shape | dtype | kind | bytes | decision"
 SEP = " | "
 OUTSIDE_LAYERS = "(outside layers)"
@@ -87,10 +88,15 @@ class Snapshot:
     @classmethod
     def parse(cls, text: str) -> "Snapshot":
         """Read :meth:`render`'s output back; totals are recomputed from the rows, not trusted."""
+        if not text.startswith(MAGIC):
+            raise ValueError("not a graphpass snapshot: the first line is not its header")
         entries, notes, graphs = [], [], 1
-        for line in text.splitlines():
+        for number, line in enumerate(text.splitlines(), 1):
             if SEP in line and not line.startswith(("#", "note: ")):
-                entries.append(_parse_entry(line))
+                try:
+                    entries.append(_parse_entry(line))
+                except ValueError as e:
+                    raise ValueError(f"line {number} is not a snapshot row ({e}): {line!r}") from None
             elif line.startswith("note: "):
                 notes.append(line.removeprefix("note: "))
             elif line.startswith("graphs: "):
