@@ -9,9 +9,20 @@ from typing import Any
 CODEGENS = ("inductor", "eager")
 FP8_RECIPES = (None, "tensorwise", "blockwise", "mxfp8")
 KERNELS = ("auto", "te", "scaled_mm", "reference")
+SAVE_ORIGINAL = ("auto", "always", "never")
+MEMORY = (None, "auto", "default")
+RECOMPUTE_METHODS = ("uniform", "block")
+# Megatron-Core's recompute_modules vocabulary, plus "act" for dense MLP activations and "full".
+RECOMPUTE_MODULES = ("layernorm", "act", "moe_act", "core_attn", "mlp", "moe", "shared_experts",
+                     "mla_up_proj", "full")
 
 # Valid values of the fields that take one of a fixed set; the CLI builds its flags from this.
-CHOICES: dict[str, tuple[Any, ...]] = {"codegen": CODEGENS, "fp8": FP8_RECIPES, "kernels": KERNELS}
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "codegen": CODEGENS, "fp8": FP8_RECIPES, "kernels": KERNELS, "save_original": SAVE_ORIGINAL,
+    "memory": MEMORY, "recompute_method": RECOMPUTE_METHODS,
+}
+# Tuple fields whose items come from a fixed set.
+ITEM_CHOICES: dict[str, tuple[str, ...]] = {"recompute": RECOMPUTE_MODULES}
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,51 @@ class Config:
     fp8_min_gemm_flops: int = 0
     """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
 
+    save_original: str = "auto"
+    """For the quantized copy of a linear input the backward needs (wgrad's columnwise X, dgrad's
+    columnwise W): ``"never"`` saves the FP8 copy, quantized in the forward as TE does by default;
+    ``"always"`` saves the original and re-quantizes in the backward (TE's
+    ``save_original_input``); ``"auto"`` lets the partitioner pick whichever saves fewer bytes
+    (the original wins when it is saved anyway or its producer is recomputed)."""
+
+    save_original_modules: tuple[str, ...] = ()
+    """Module-path patterns of linears that always save their original input, whatever
+    ``save_original`` says for the others (Megatron's per-module ``save_original_input``)."""
+
+    recompute: tuple[str, ...] = ()
+    """Output-discarding recompute, in Megatron's words: ``layernorm``, ``act``, ``moe_act``,
+    ``core_attn``, ``mlp``, ``moe``, ``shared_experts``, ``mla_up_proj``, or ``full`` layers."""
+
+    recompute_method: str = "uniform"
+    """For ``recompute=("full",)``: ``"uniform"`` checkpoints every chunk of
+    ``recompute_num_layers`` layers; ``"block"`` the first ``recompute_num_layers`` layers."""
+
+    recompute_num_layers: int = 1
+
+    recompute_include: tuple[str, ...] = ("*",)
+    """Module-path patterns narrowing where ``recompute`` applies (e.g. ``("layers.[0-3].*",)``)."""
+
+    memory: str | None = None
+    """``"auto"``: the planner minimises saved bytes, recomputing any non-GEMM, non-attention op
+    within ``recompute_budget``; ``"default"``: torch's min-cut heuristics. ``None`` means
+    ``"auto"`` when FP8 is on and ``"default"`` otherwise."""
+
+    recompute_budget: float | None = 0.01
+    """Most recompute the planner may add, as a fraction of the step's FLOPs (None: no limit)."""
+
+    offload: bool = False
+    """Offload eligible saved activations to CPU with torch's activation offloading."""
+
+    offload_min_bytes: int = 1 << 20
+    """Saved tensors smaller than this are never offloaded."""
+
+    offload_exclude: tuple[str, ...] = ()
+    """Module-path or op patterns (``"layers.0.*"``, ``"aten.mm"``) never offloaded (opt-out)."""
+
+    @property
+    def memory_policy(self) -> str:
+        return self.memory or ("auto" if self.fp8 else "default")
+
     def __post_init__(self) -> None:
         if self.fp8 == "delayed":
             raise ValueError(
@@ -58,13 +114,21 @@ class Config:
                 f"fp8={self.fp8!r}"
             )
         _type("report", self.report, bool)
-        if isinstance(self.fp8_exclude, str) or not all(isinstance(p, str) for p in self.fp8_exclude):
-            raise ValueError(
-                f"invalid graphpass option fp8_exclude={self.fp8_exclude!r}; expected a tuple of "
-                "module-path patterns such as ('output', '*.gate')"
-            )
-        object.__setattr__(self, "fp8_exclude", tuple(self.fp8_exclude))
-        _type("fp8_min_gemm_flops", self.fp8_min_gemm_flops, int)
+        for name in ("fp8_exclude", "save_original_modules", "recompute", "recompute_include",
+                     "offload_exclude"):
+            _patterns(self, name)
+        for item in self.recompute:
+            _choice("recompute", item, RECOMPUTE_MODULES)
+        for name in ("fp8_min_gemm_flops", "recompute_num_layers", "offload_min_bytes"):
+            _type(name, getattr(self, name), int)
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"invalid graphpass option recompute_num_layers="
+                             f"{self.recompute_num_layers}; expected a positive layer count")
+        if self.recompute_budget is not None and not (
+                isinstance(self.recompute_budget, (int, float)) and self.recompute_budget >= 0):
+            raise ValueError(f"invalid graphpass option recompute_budget={self.recompute_budget!r}; "
+                             "expected a fraction of step FLOPs such as 0.01, or None for no limit")
+        _type("offload", self.offload, bool)
 
     @classmethod
     def from_options(cls, **options: Any) -> "Config":
@@ -90,6 +154,17 @@ def _choice(name: str, value: Any, valid: tuple[Any, ...]) -> None:
             f"invalid graphpass option {name}={value!r}; valid values are: "
             + ", ".join(map(repr, valid))
         )
+
+
+def _patterns(config: Config, name: str) -> None:
+    """A tuple of strings (a list is accepted and frozen into a tuple)."""
+    value = getattr(config, name)
+    if isinstance(value, str):
+        raise ValueError(f"invalid graphpass option {name}={value!r}; expected a tuple of strings: "
+                         f"write {name}=({value!r},)")
+    if not all(isinstance(p, str) for p in value):
+        raise ValueError(f"invalid graphpass option {name}={value!r}; expected a tuple of strings")
+    object.__setattr__(config, name, tuple(value))
 
 
 def _type(name: str, value: Any, typ: type) -> None:
