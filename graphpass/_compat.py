@@ -6,7 +6,8 @@ signature change upstream fails loudly in one module instead of silently elsewhe
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -44,6 +45,27 @@ def min_cut_partition(
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static_lifetime_input_indices,
     )
+
+
+@contextlib.contextmanager
+def min_cut_settings(*, relaxed: bool, offload: bool) -> Iterator[None]:
+    """torch's partitioner settings for one partition.
+
+    ``relaxed`` turns off the min-cut's recompute heuristics (allowlist, reductions, fusible
+    chains, distance), leaving bans to ``recompute`` tags; ``offload`` turns on torch's
+    activation offloading of nodes tagged ``should_offload`` (synchronous, on the default
+    stream: the separate-stream mode differs between torch 2.11 and 2.12+).
+    """
+    from torch._functorch import config as functorch_config
+
+    patch: dict[str, Any] = {"enable_activation_offloading": offload}
+    if relaxed:
+        patch.update(ban_recompute_used_far_apart=False, ban_recompute_long_fusible_chains=False,
+                     ban_recompute_materialized_backward=False,
+                     ban_recompute_not_in_allowlist=False, ban_recompute_reductions=False,
+                     max_dist_from_bw=10**9)
+    with functorch_config.patch(patch):
+        yield
 
 
 def storage_id(val: torch.Tensor) -> int | None:

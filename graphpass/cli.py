@@ -8,19 +8,18 @@
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
 import importlib
 import inspect
 import json
 import os
 import sys
-import textwrap
 import time
-import typing
 from typing import Any, Callable, NoReturn, Sequence
 
-from .config import CHOICES, Config
+from .cli_flags import ConfigFlag, add_config_flags, config_flags, parse_policy, show
+from .config import Config
+from .report import Report
+from .testing import Snapshot, diff
 
 EXAMPLES = ("llama", "gpt", "deepseek")
 PLOT_INSTALL = "pip install 'graphpass[plot]'"
@@ -35,166 +34,6 @@ class CLIError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise CLIError(f"{message} (see '{self.prog} --help')")
-
-
-# -- config flags, generated from the Config dataclass ------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ConfigFlag:
-    """One ``Config`` field as a command-line flag and as a ``key=value`` policy item."""
-
-    name: str
-    convert: Callable[[str], Any]
-    metavar: str | None
-    is_bool: bool
-    help: str
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-
-def config_flags(
-    config_cls: type = Config, choices: dict[str, tuple[Any, ...]] = CHOICES
-) -> list[ConfigFlag]:
-    """A flag per dataclass field, so fields added to ``Config`` appear without touching the CLI.
-
-    Choice fields take one of ``choices[name]`` (``None`` written ``none``), bools are
-    ``--x/--no-x``, ``tuple[str, ...]`` fields are comma-separated and ints, floats and strings
-    are taken as such; any other field type is a TypeError here rather than a silently missing flag.
-    """
-    hints = typing.get_type_hints(config_cls)
-    docs = _field_docs(config_cls)
-    flags = []
-    for f in dataclasses.fields(config_cls):
-        hint, metavar = hints[f.name], None
-        if f.name in choices:
-            convert, metavar = _choice(choices[f.name]), "{" + ",".join(map(show, choices[f.name])) + "}"
-        elif hint is bool:
-            convert = _bool
-        elif hint in (int, float):
-            convert, metavar = _number(hint), hint.__name__.upper()
-        elif hint is str:
-            convert = str
-        elif hint == tuple[str, ...]:
-            convert, metavar = _csv, "A,B,..."
-        else:
-            raise TypeError(f"{config_cls.__name__}.{f.name} has type {hint!r}, which the CLI cannot "
-                            "express as a flag: give it CHOICES or a bool/int/float/str/tuple[str, ...] type")
-        help_text = f"{docs.get(f.name, '')} (default: {_default(f)})".strip()
-        flags.append(ConfigFlag(f.name, convert, metavar, hint is bool, help_text.replace("%", "%%")))
-    return flags
-
-
-def show(value: Any) -> str:
-    """A config value as it is written on the command line."""
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    return str(value)
-
-
-def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        return show(f.default)
-    if f.default_factory is not dataclasses.MISSING:
-        return show(f.default_factory())
-    return "required"
-
-
-def add_config_flags(parser: argparse.ArgumentParser, flags: Sequence[ConfigFlag]) -> None:
-    group = parser.add_argument_group("graphpass options (fields of graphpass.Config)")
-    for fl in flags:
-        # SUPPRESS: only flags the user gave reach Config, so its defaults stay the defaults.
-        if fl.is_bool:
-            group.add_argument(fl.flag, dest=f"cfg_{fl.name}", action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=fl.help)
-        else:
-            group.add_argument(fl.flag, dest=f"cfg_{fl.name}", type=_argtype(fl), metavar=fl.metavar,
-                               default=argparse.SUPPRESS, help=fl.help)
-
-
-def parse_policy(spec: str, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
-    """``"fp8=tensorwise fp8_exclude=output,lm_head"`` -> options, with the flags' value syntax."""
-    by_name = {fl.name: fl for fl in flags}
-    options = {}
-    for item in spec.split():
-        key, eq, value = item.partition("=")
-        key = key.lstrip("-").replace("-", "_")
-        if not eq or not key:
-            raise CLIError(f"policy {spec!r}: expected space-separated key=value items such as "
-                           "'fp8=tensorwise kernels=reference'")
-        if key not in by_name:
-            raise CLIError(f"policy {spec!r}: unknown option {key!r}; valid options: {', '.join(by_name)}")
-        try:
-            options[key] = by_name[key].convert(value)
-        except ValueError as e:
-            raise CLIError(f"policy {spec!r}: {key}: {e}") from None
-    return options
-
-
-def _choice(valid: tuple[Any, ...]) -> Callable[[str], Any]:
-    by_text = {show(v): v for v in valid}
-
-    def convert(text: str) -> Any:
-        if text not in by_text:
-            raise ValueError(f"{text!r} is not one of {', '.join(by_text)}")
-        return by_text[text]
-
-    return convert
-
-
-def _bool(text: str) -> bool:
-    value = {"true": True, "yes": True, "on": True, "1": True,
-             "false": False, "no": False, "off": False, "0": False}.get(text.lower())
-    if value is None:
-        raise ValueError(f"expected true or false, got {text!r}")
-    return value
-
-
-def _number(typ: type) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            return typ(text.replace("_", ""))
-        except ValueError:
-            raise ValueError(f"expected {'an integer' if typ is int else 'a number'}, got {text!r}") from None
-
-    return convert
-
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.split(",") if p.strip())
-
-
-def _argtype(fl: ConfigFlag) -> Callable[[str], Any]:
-    # argparse shows only ArgumentTypeError messages; a ValueError would become "invalid value".
-    def parse(text: str) -> Any:
-        try:
-            return fl.convert(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    parse.__name__ = fl.name
-    return parse
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (the string after each field), for ``--help``."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):  # no source (frozen app): flags without help text
-        return {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for field_node, doc in zip(body, body[1:]):
-        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
-                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-                and isinstance(doc.value.value, str)):
-            docs[field_node.target.id] = " ".join(doc.value.value.replace("``", "").split())
-    return docs
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -252,7 +91,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     models = args.model or ["llama"]
     given = {k.removeprefix("cfg_"): v for k, v in vars(args).items() if k.startswith("cfg_")}
     if args.policy:
-        specs = [(spec, parse_policy(spec, args.config_flags)) for spec in args.policy]
+        specs = [(spec, _policy(spec, args.config_flags)) for spec in args.policy]
     else:
         specs = [(" ".join(f"{k}={show(v)}" for k, v in given.items()) or "default options", {})]
     policies = []
@@ -291,7 +130,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.plot:
         from .plot import plot_saved_bytes
 
-        panels: dict[str, list[tuple[str, Any]]] = {}
+        panels: dict[str, list[tuple[str, Report]]] = {}
         for m, label, r in results:
             panels.setdefault(f"{m} ({args.size})", []).append((label, r))
         plot_saved_bytes(panels, args.plot)
@@ -299,18 +138,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_diff(args: argparse.Namespace) -> int:
-    from .testing import diff
+def _policy(spec: str, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
+    try:
+        return parse_policy(spec, flags)
+    except ValueError as e:
+        raise CLIError(f"policy {spec!r}: {e}") from None
 
+
+def cmd_diff(args: argparse.Namespace) -> int:
     changes = diff(_load(args.before), _load(args.after))
     print(f"graphpass diff {args.before} -> {args.after}")
     print(changes)
     return 1 if changes.grew else 0
 
 
-def _load(path: str):
-    from .testing import Snapshot
-
+def _load(path: str) -> Snapshot:
     try:
         return Snapshot.load(path)
     except OSError as e:

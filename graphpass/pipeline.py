@@ -13,13 +13,20 @@ import torch.fx as fx
 
 from . import _compat
 from .config import Config
+from .graph.flops import node_flops
 from .graph.saved import saved_rows
+from .graph.outcome import outcome_notes
 from .passes.lower_fp8 import lower_fp8
+from .passes.offload import offload
+from .passes.plan_memory import plan_memory
+from .passes.recompute import recompute
+from .passes.save_original import save_original
 from .report import Report
 
 # Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and logs the
 # decisions a user should see; listed in the order they run.
-PASSES: tuple[Callable[[fx.GraphModule, Config, list[str]], None], ...] = (lower_fp8,)
+PASSES: tuple[Callable[[fx.GraphModule, Config, list[str]], None], ...] = (
+    lower_fp8, save_original, recompute, offload, plan_memory)
 
 _last_report: Report | None = None
 _reports_sink: contextvars.ContextVar[list[Report] | None] = contextvars.ContextVar(
@@ -48,16 +55,21 @@ def partition(
     config = config or Config()
     static = list(static_lifetime_input_indices or [])
     primals = [n for n in joint_module.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    for i in static:
+        if i < len(primals):
+            primals[i].meta["graphpass_static"] = True
     log: list[str] = []
     for graph_pass in PASSES:
         graph_pass(joint_module, config, log)
-    fw, bw = _compat.min_cut_partition(
-        joint_module,
-        joint_inputs,
-        compiler=compiler,
-        num_fwd_outputs=num_fwd_outputs,
-        static_lifetime_input_indices=static,
-    )
+    step_flops = sum(node_flops(n) for n in joint_module.graph.nodes)
+    with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload):
+        fw, bw = _compat.min_cut_partition(
+            joint_module,
+            joint_inputs,
+            compiler=compiler,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static,
+        )
     if config.report:
         sources = list(_input_sources.get())
         named = dict(zip((p.name for p in primals), sources)) if len(sources) == len(primals) else {}
@@ -68,7 +80,10 @@ def partition(
             static_input_names={primals[i].name for i in static if i < len(primals)},
             input_sources={k: v for k, v in named.items() if v},
         )
-        _record(Report(rows=rows, notes=log, meta=_meta(config)))
+        notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
+        report = Report(rows=rows, notes=log + notes, meta=_meta(config))
+        report.meta.update(step_flops=step_flops, recompute_flops=recompute_flops)
+        _record(report)
     return fw, bw
 
 

@@ -16,20 +16,28 @@ from torch.utils.flop_counter import register_flop_formula
 from . import providers, recipes
 
 
-@torch.library.custom_op("graphpass::quantize", mutates_args=())
-def quantize(x: Tensor, recipe: str, role: str, columnwise: bool) -> tuple[Tensor, Tensor]:
-    """(fp8 data, scale_inv) of a 2-D tensor in ``role`` under ``recipe``.
+USAGES = ("rowwise", "columnwise", "both")
 
-    ``columnwise=True`` gives the transposed copy (data (K, M), blocks down x's columns) that
-    TN-only FP8 GEMMs need for wgrad and dgrad; see :mod:`graphpass.fp8.recipes`.
+
+def _quantize(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
+    """FP8 copies of a 2-D tensor in ``role`` under ``recipe``: ``[data, scale_inv]`` per usage.
+
+    ``usage`` is ``"rowwise"`` (data (M, K)), ``"columnwise"`` (the transposed copy, data (K, M),
+    blocks down x's columns, which TN-only FP8 GEMMs need for wgrad and dgrad) or ``"both"``
+    (rowwise then columnwise, from one read of x, as Transformer Engine's quantizers do).
+    See :mod:`graphpass.fp8.recipes` for the layouts.
     """
-    return recipes.quantize(x, recipe, role, columnwise=columnwise)
+    if usage not in USAGES:
+        raise ValueError(f"unknown quantize usage {usage!r}; valid usages are {USAGES}")
+    out: list[Tensor] = []
+    for columnwise in {"rowwise": (False,), "columnwise": (True,), "both": (False, True)}[usage]:
+        out += recipes.quantize(x, recipe, role, columnwise=columnwise)
+    return out
 
 
-@quantize.register_fake
-def _(x: Tensor, recipe: str, role: str, columnwise: bool) -> tuple[Tensor, Tensor]:
-    # The recipe is plain tensor arithmetic, so it runs on fake tensors and gives exact metadata.
-    return recipes.quantize(x, recipe, role, columnwise=columnwise)
+quantize = torch.library.custom_op("graphpass::quantize", _quantize, mutates_args=())
+# The recipe is plain tensor arithmetic, so it runs on fake tensors and gives exact metadata.
+quantize.register_fake(_quantize)
 
 
 @torch.library.custom_op("graphpass::fp8_gemm", mutates_args=())

@@ -101,8 +101,9 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
     def quantize(x: fx.Node, role: str, columnwise: bool, before: fx.Node, backward: bool):
         key = (_canonical(x), role, columnwise)
         if key not in quantized:
+            usage = "columnwise" if columnwise else "rowwise"
             with graph.inserting_before(before):
-                q = _call(graph, _QUANTIZE, (x, recipe, role, columnwise), before, backward)
+                q = _call(graph, _QUANTIZE, (x, recipe, role, usage), before, backward)
                 data = _call(graph, operator.getitem, (q, 0), before, backward)
                 scale = _call(graph, operator.getitem, (q, 1), before, backward)
             scale.meta["graphpass_kind"] = "fp8_scale"

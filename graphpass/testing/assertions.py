@@ -31,30 +31,32 @@ def assert_matches_snapshot(
 ) -> Literal["matched", "written", "updated"]:
     """Compare ``report`` with the snapshot file at ``path``.
 
-    A missing file is written (``write_missing``, the default outside CI) or is a failure; with
-    ``update`` a differing file is rewritten. A mismatch raises with what grew, by how many bytes,
-    from which module.
+    A missing file is written when ``write_missing`` or ``update`` (the plugin turns
+    ``write_missing`` off in CI mode) and is a failure otherwise; with ``update`` a differing file
+    is rewritten. A mismatch raises with what grew, by how many bytes, from which module.
     """
     __tracebackhide__ = True  # pytest shows the caller's line, not ours
     text = Snapshot.from_report(_require(report)).render()
     path = Path(path)
     if not path.exists():
-        if not write_missing:
+        if not (write_missing or update):
             raise AssertionError(f"graphpass snapshot {path} does not exist; run pytest once "
                                  "outside CI mode (or with --graphpass-update) and commit it")
         _write(path, text)
         return "written"
-    old = path.read_text()
+    old = path.read_text(encoding="utf-8")
     if old == text:
         return "matched"
     if update:
         _write(path, text)
         return "updated"
-    changes = diff(Snapshot.parse(old), Snapshot.parse(text))
-    detail = changes.lines() if changes else [
-        "rows are equal but the text is not (format or totals edited?):",
-        *difflib.unified_diff(old.splitlines(), text.splitlines(), "snapshot", "now", lineterm=""),
-    ]
+    try:
+        changes = diff(Snapshot.parse(old), Snapshot.parse(text))
+        detail = changes.lines() if changes else ["rows are equal but the text is not (edited totals?):"]
+    except ValueError as e:  # a hand-edited or conflicted file: the text diff is all there is
+        changes, detail = None, [f"the snapshot file does not parse ({e}):"]
+    if not changes:
+        detail += difflib.unified_diff(old.splitlines(), text.splitlines(), "snapshot", "now", lineterm="")
     raise AssertionError("\n".join([
         f"saved tensors differ from graphpass snapshot {path}",
         *detail,
@@ -219,5 +221,5 @@ def _listing(rows: Sequence[Row]) -> str:
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # "\n" on every platform: the file is committed and compared byte for byte.
-    with open(path, "w", newline="\n") as f:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
         f.write(text)

@@ -60,7 +60,8 @@ class SnapshotFixture:
         if outcome != "matched":
             config.stash[_WRITTEN].append((outcome, path))
         if outcome == "written":
-            warnings.warn(GraphpassSnapshotWarning(f"wrote new graphpass snapshot {path}; commit it"))
+            warnings.warn(GraphpassSnapshotWarning(f"wrote new graphpass snapshot {path}; commit it"),
+                          stacklevel=2)
 
 
 @pytest.fixture

@@ -106,7 +106,7 @@ class Snapshot:
     @classmethod
     def load(cls, path: Union[str, os.PathLike[str]]) -> "Snapshot":
         """A snapshot file, or a report saved with ``Report.to_json`` / ``graphpass report --json``."""
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
         if text.lstrip().startswith("{"):
             return cls.from_report(Report.from_dict(json.loads(text)))
         return cls.parse(text)

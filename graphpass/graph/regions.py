@@ -1,0 +1,134 @@
+"""Which forward nodes belong to which Megatron module class: norms, activations, attention...
+
+Recompute selections are phrased in Megatron-Core's ``recompute_modules`` vocabulary; this module
+turns each word into a set of joint-graph nodes, from module paths (``nn_module_stack``), module
+classes and the graph's own structure (an activation is the elementwise chain between two GEMMs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.fx as fx
+
+from .nodes import is_backward, layer_of, module_path, module_stack, op_name
+
+GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "aten._scaled_mm", "graphpass.fp8_gemm")
+QUANTIZE = "graphpass.quantize"
+# Elementwise ops an activation function decomposes into (plus views and casts).
+ELEMENTWISE = frozenset({
+    "aten.silu", "aten.gelu", "aten.relu", "aten.sigmoid", "aten.tanh", "aten.erf", "aten.exp",
+    "aten.mul", "aten.add", "aten.sub", "aten.div", "aten.neg", "aten.pow", "aten.where",
+    "aten.clamp_min", "aten.le", "aten.gt", "aten.view", "aten.reshape", "aten._unsafe_view",
+    "aten.permute", "aten.clone", "prims.convert_element_type", "aten._to_copy", "getitem",
+})
+
+
+def forward_calls(joint: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in joint.graph.nodes if n.op == "call_function" and not is_backward(n)]
+
+
+def is_gemm(node: fx.Node) -> bool:
+    return op_name(node) in GEMMS
+
+
+def is_attention(node: fx.Node) -> bool:
+    name = op_name(node)
+    return "scaled_dot_product" in name or "attention" in name
+
+
+def _producer_op(node: fx.Node) -> str:
+    while op_name(node) == "getitem":
+        node = node.args[0]
+    return op_name(node)
+
+
+def is_expensive(node: fx.Node) -> bool:
+    """GEMMs and attention: never recomputed unless the user selects their module."""
+    return is_gemm(node) or is_attention(node) or (
+        op_name(node) == "getitem" and (_producer_op(node) in GEMMS or "attention" in _producer_op(node)
+                                       or "scaled_dot_product" in _producer_op(node)))
+
+
+def _is_norm(stack: list[tuple[str, type]]) -> bool:
+    return any(cls.__name__.endswith("Norm") or path.rsplit(".", 1)[-1].endswith("norm")
+               for path, cls in stack)
+
+
+def _under(path: str, prefixes: Iterable[str]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+
+class Regions:
+    """The Megatron module classes of the forward nodes of one joint graph."""
+
+    def __init__(self, joint: fx.GraphModule) -> None:
+        self.nodes = forward_calls(joint)
+        self._node_set = set(self.nodes)
+        self.paths = {p for n in self.nodes for p, _ in module_stack(n)}
+        self.attention_modules = {module_path(n) for n in self.nodes if is_attention(n)}
+        self.moe_modules = {p for p in self.paths if p + ".experts" in self.paths}
+        self._acts = self._activation_chains()
+
+    def _activation_chains(self) -> set[fx.Node]:
+        """Elementwise chains from a GEMM output to a GEMM input (the MLP activation)."""
+        def chain(start: Iterable[fx.Node], step) -> set[fx.Node]:
+            seen, todo = set(), list(start)
+            while todo:
+                node = todo.pop()
+                for nxt in step(node):
+                    if nxt not in seen and nxt.op == "call_function" and not is_backward(nxt) and (
+                            op_name(nxt) in ELEMENTWISE):
+                        seen.add(nxt)
+                        todo.append(nxt)
+            return seen
+
+        gemms = [n for n in self.nodes if is_gemm(n)]
+        down = chain(gemms, lambda n: n.users)
+        up = chain(gemms, lambda n: [a for a in n.all_input_nodes])
+        # Quantizes sit between an activation and the next GEMM; treat them as transparent.
+        quant_inputs = [n.args[0] for n in self.nodes if op_name(n) == QUANTIZE]
+        up |= chain(quant_inputs, lambda n: [a for a in n.all_input_nodes]) | {
+            q for q in quant_inputs if op_name(q) in ELEMENTWISE}
+        return {n for n in down & up
+                if not _under(module_path(n), self.attention_modules)
+                and not _is_norm(module_stack(n)) and layer_of(module_path(n)) != module_path(n)}
+
+    def select(self, word: str) -> set[fx.Node]:
+        """The forward nodes ``recompute=(word,)`` recomputes."""
+        nodes = self.nodes
+        if word == "layernorm":
+            return {n for n in nodes if _is_norm(module_stack(n)) and not is_expensive(n)
+                    and op_name(n) != QUANTIZE}
+        if word in ("act", "moe_act"):
+            experts = lambda n: ".experts" in module_path(n) + "."  # noqa: E731
+            want_experts = word == "moe_act"
+            return {n for n in self._acts if experts(n) == want_experts}
+        if word == "core_attn":
+            return {n for n in nodes if is_attention(n) or (
+                op_name(n) == "getitem" and is_attention(n.args[0]))}
+        if word == "mlp":
+            owners = {module_path(n) for n in self._acts if not _under(module_path(n), self.moe_modules)}
+            return {n for n in nodes if _under(module_path(n), owners)}
+        if word == "moe":
+            return {n for n in nodes if _under(module_path(n), self.moe_modules)}
+        if word == "shared_experts":
+            owners = {p for p in self.paths if p.rsplit(".", 1)[-1] == "shared_experts"}
+            return {n for n in nodes if _under(module_path(n), owners)}
+        if word == "mla_up_proj":
+            up = {p for p in self.paths if p.rsplit(".", 1)[-1] in ("q_b_proj", "kv_b_proj")}
+            seeds = {n for n in nodes if _under(module_path(n), up)}
+            # and the rope/concat that turns the up-projections into attention inputs
+            grown, todo = set(seeds), list(seeds)
+            while todo:
+                for user in todo.pop().users:
+                    if user not in grown and user in self._node_set and not is_expensive(user) and (
+                            _under(module_path(user), self.attention_modules)):
+                        grown.add(user)
+                        todo.append(user)
+            return grown
+        raise ValueError(f"unknown recompute selection {word!r}")
+
+    def layers(self) -> list[str]:
+        """Transformer layers in forward order (``layers.0``, ``layers.1``, ...)."""
+        return list(dict.fromkeys(layer_of(module_path(n)) for n in self.nodes if layer_of(module_path(n))))

@@ -1,0 +1,48 @@
+"""The memory planner (``memory="auto"``): fewest saved bytes within a recompute budget.
+
+torch's min-cut already minimises saved bytes, counting each value once in its real dtype (1 byte
+for FP8); its defaults only forbid far more recompute than needed (reductions, ops outside an
+allowlist, long fusible chains). The planner replaces those heuristics by one rule: GEMMs,
+attention and random ops are never recomputed unless the user selected their module; every other
+op may be, as long as everything that could be recomputed costs at most ``recompute_budget`` of the
+step's FLOPs. torch's min-cut then picks, per saved tensor, between saving it (in FP8 or in the
+original dtype) and recomputing it; the pipeline relaxes torch's heuristics around that call.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..config import Config
+from ..graph.flops import node_flops
+from ..graph.regions import forward_calls, is_expensive
+from .recompute import tag
+
+
+def plan_memory(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+    if config.memory_policy != "auto":
+        return
+    candidates = []
+    for node in forward_calls(joint):
+        if "recompute" in node.meta:  # the user's selection, or a boundary: keep it
+            continue
+        if is_expensive(node):
+            tag(node, CheckpointPolicy.MUST_SAVE)
+        else:
+            candidates.append(node)
+    if config.recompute_budget is None:
+        return
+    step = sum(node_flops(n) for n in joint.graph.nodes)
+    budget = config.recompute_budget * step
+    cost = {n: node_flops(n) for n in candidates}
+    total = sum(cost.values())
+    # Everything left could be recomputed; if even that fits, the min-cut is free to choose.
+    # Otherwise keep the costliest candidates saved until the worst case fits.
+    for node in sorted(candidates, key=cost.__getitem__, reverse=True):
+        if total <= budget:
+            break
+        tag(node, CheckpointPolicy.MUST_SAVE)
+        total -= cost[node]
+    log.append(f"planner: recompute allowed for ops worth at most {total / max(step, 1):.3%} "
+               f"of the step's FLOPs (budget {config.recompute_budget:.1%})")

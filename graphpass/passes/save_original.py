@@ -1,0 +1,78 @@
+"""Save the original or the FP8 copy of each quantized tensor the backward needs.
+
+The lowering quantizes a forward tensor once per usage: rowwise for the forward GEMM and, in a
+separate node, columnwise for wgrad/dgrad. That columnwise node is read only by the backward, so
+torch's min-cut may place it on either side: save the 1-byte copy, or save the original (when it
+is saved anyway, or recomputed) and re-quantize in the backward. Stateless recipes make the
+re-quantized bits identical to the forward's, so this choice never changes numerics.
+
+* ``auto``: leave the choice to the min-cut, which counts bytes in the real dtypes;
+* ``always``: pin the columnwise quantize in the backward (TE's ``save_original_input``);
+* ``never``: quantize both usages in one forward op whose outputs cannot be recomputed, so the
+  FP8 copy is saved (Transformer Engine's default).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..config import Config
+from ..graph.nodes import is_backward, module_path, op_name
+
+_QUANTIZE = torch.ops.graphpass.quantize.default
+
+
+def save_original(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+    if config.fp8 is None:
+        return
+    rowwise: dict[tuple[fx.Node, str], fx.Node] = {}
+    columnwise: list[fx.Node] = []
+    for node in joint.graph.nodes:
+        if op_name(node) != "graphpass.quantize" or is_backward(node):
+            continue
+        x, _, role, usage = node.args
+        if usage == "rowwise":
+            rowwise[(x, role)] = node
+        elif usage == "columnwise":
+            columnwise.append(node)
+    for col in columnwise:
+        x, recipe, role, _ = col.args
+        policy = config.save_original
+        if any(fnmatch.fnmatchcase(module_path(col), p) for p in config.save_original_modules):
+            policy = "always"
+        if policy == "always":
+            for node in (col, *col.users):
+                node.meta["partitioner_tag"] = "must_be_in_backward"
+                node.meta["graphpass_fp8"]["decision"] = "save original"
+        elif policy == "never" and (x, role) in rowwise:
+            _merge(joint.graph, rowwise[(x, role)], col)
+    joint.graph.lint()
+    joint.recompile()
+
+
+def _merge(graph: fx.Graph, row: fx.Node, col: fx.Node) -> None:
+    """One ``usage="both"`` quantize in place of a rowwise and a columnwise one."""
+    x, recipe, role, _ = row.args
+    with graph.inserting_before(row):
+        both = graph.call_function(_QUANTIZE, (x, recipe, role, "both"))
+        both.meta = {**row.meta, "val": [*row.meta["val"], *col.meta["val"]],
+                     "recompute": CheckpointPolicy.MUST_SAVE}
+        outs = []
+        for i in range(4):
+            out = graph.call_function(operator.getitem, (both, i))
+            out.meta = {**row.meta, "val": both.meta["val"][i]}
+            outs.append(out)
+    for old, offset in ((row, 0), (col, 2)):
+        for user in list(old.users):
+            index = user.args[1]
+            new = outs[offset + index]
+            new.meta.update({k: v for k, v in user.meta.items() if k.startswith("graphpass")})
+            new.meta["graphpass_fp8"] = {**user.meta.get("graphpass_fp8", {}), "decision": "fp8 copy"}
+            user.replace_all_uses_with(new)
+            graph.erase_node(user)
+        graph.erase_node(old)
