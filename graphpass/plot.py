@@ -37,7 +37,7 @@ def category(row: Row) -> str:
 def bytes_by_layer_and_category(report: Report) -> dict[str, dict[str, int]]:
     totals: dict[str, dict[str, int]] = {}
     for r in report.rows:
-        if r.is_activation:
+        if r.kind != "parameter":  # offloaded rows too: they are a segment of their own
             per_layer = totals.setdefault(layer_of(r.module) or OUTSIDE_LAYERS, {})
             per_layer[category(r)] = per_layer.get(category(r), 0) + r.bytes
     return totals

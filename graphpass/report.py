@@ -30,10 +30,15 @@ class Row:
     consumers: tuple[str, ...] = ()
     decision: str = "saved"
     alias_of: str = ""
+    copy_of: str = ""
+    """For an FP8 copy: the name of the high-precision tensor it quantizes."""
+    offloaded: bool = False
+    """Kept in host memory between forward and backward (torch's activation offloading)."""
 
     @property
     def is_activation(self) -> bool:
-        return self.kind != "parameter"
+        """Counted in device activation memory: not a parameter, not offloaded."""
+        return self.kind != "parameter" and not self.offloaded
 
 
 @dataclass
@@ -52,7 +57,11 @@ class Report:
 
     @property
     def parameter_bytes(self) -> int:
-        return sum(r.bytes for r in self.rows if not r.is_activation)
+        return sum(r.bytes for r in self.rows if r.kind == "parameter")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows if r.offloaded)
 
     def bytes_by(self, key: str) -> dict[str, int]:
         """Activation bytes grouped by a row attribute (``kind``, ``dtype``, ``module``...)."""
@@ -91,6 +100,9 @@ class Report:
             ]
             merged.notes += rep.notes
             merged.graphs += rep.graphs
+            for key in ("step_flops", "recompute_flops"):
+                if i and key in rep.meta:
+                    merged.meta[key] = merged.meta.get(key, 0) + rep.meta[key]
         return merged
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +148,11 @@ class Report:
         lines.append(f"activation bytes: {format_bytes(self.activation_bytes)} ({self.activation_bytes:,} B)"
                      + "".join(f"; {k} {format_bytes(v)}" for k, v in sorted(kinds.items())))
         lines.append(f"parameters saved (not counted): {format_bytes(self.parameter_bytes)}")
+        if self.offloaded_bytes:
+            lines.append(f"offloaded to host (not counted): {format_bytes(self.offloaded_bytes)}")
+        if self.meta.get("step_flops"):
+            lines.append(f"recompute: {self.meta['recompute_flops'] / self.meta['step_flops']:.3%} "
+                         "of the step's FLOPs")
         layers = self.bytes_by_layer()
         if len(layers) > 1 or "(outside layers)" not in layers:
             lines += [f"  {layer}: {format_bytes(b)}" for layer, b in layers.items()]

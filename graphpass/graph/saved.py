@@ -36,11 +36,12 @@ def saved_rows(
         if name in placeholders and tensor_val(placeholders[name]) is not None
     }
     first_of_storage: dict[int, str] = {}
+    saved_origins = {_origin(n).name: n.name for n in saved}
     rows = []
     for node in saved:
         val = node.meta.get("val")
         consumers = _consumers(bw_inputs.get(node.name))
-        decision = "; ".join(node.meta.get("graphpass_decisions", ())) or "saved"
+        decision = _decision(node)
         if not isinstance(val, torch.Tensor):
             rows.append(
                 Row(node.name, op_name(producer(node)), module_path(node), (), _dtype_name(val),
@@ -53,11 +54,13 @@ def saved_rows(
         if sid is not None and not alias_of:
             first_of_storage[sid] = node.name
         kind = _kind(node, val, is_param=sid in param_storages)
-        path = module_path(node) or normalize_path(input_sources.get(node.name, ""), of_module=False)
+        offloaded = _offloaded_source(node)
+        source = offloaded or node
+        path = module_path(source) or normalize_path(input_sources.get(source.name, ""), of_module=False)
         rows.append(
             Row(
                 name=node.name,
-                op=op_name(producer(node)),
+                op=op_name(producer(source)),
                 module=path,
                 shape=tuple(size_hint(s) for s in val.shape),
                 dtype=str(val.dtype).removeprefix("torch."),
@@ -65,11 +68,58 @@ def saved_rows(
                 tensor_bytes=size_hint(val.numel()) * val.element_size(),
                 kind=kind,
                 consumers=consumers,
-                decision=decision,
+                decision="offloaded to CPU, reloaded for the backward" if offloaded else decision,
                 alias_of=alias_of,
+                copy_of=_copy_of(node, saved_origins),
+                offloaded=offloaded is not None,
             )
         )
     return rows
+
+
+def _offloaded_source(node: fx.Node) -> fx.Node | None:
+    """The tensor a ``cpu_offload_*`` node (torch's activation offloading) moves to the host."""
+    if op_name(node) == "prims.device_put" and node.name.startswith("cpu_offload_"):
+        return node.args[0]
+    return None
+
+
+def _decision(node: fx.Node) -> str:
+    """What the passes decided for a saved value, in the user's words."""
+    parts = []
+    fp8 = node.meta.get("graphpass_fp8")
+    if fp8 and fp8.get("columnwise"):
+        parts.append(f"fp8 copy ({fp8['role']}, columnwise)")
+    elif fp8:
+        parts.append(f"fp8 copy ({fp8['role']})")
+    reason = node.meta.get("graphpass_recompute", "")
+    if reason.startswith("saved"):
+        parts.append(reason.removeprefix("saved: "))
+    if "graphpass_offload" in node.meta:
+        parts.append(node.meta["graphpass_offload"])
+    return "; ".join(parts) or "saved"
+
+
+_SAME_DATA = ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.permute", "aten.t",
+              "aten.transpose", "aten.clone", "aten.expand", "aten.contiguous")
+
+
+def _origin(node: fx.Node) -> fx.Node:
+    """The tensor whose data ``node`` holds, through views, copies and re-layouts."""
+    while node.op == "call_function" and op_name(node) in _SAME_DATA:
+        node = node.args[0]
+    return node
+
+
+def _copy_of(node: fx.Node, saved_origins: dict[str, str]) -> str:
+    """For an FP8 copy: the saved row holding the same data in high precision, if any, else the
+    name of the tensor it quantizes. Names, not nodes: the source is a joint-graph node, the
+    saved values are nodes of the forward module (copies with the same names)."""
+    fp8 = node.meta.get("graphpass_fp8")
+    source = fp8.get("source") if fp8 else None
+    if not isinstance(source, fx.Node):
+        return ""
+    return saved_origins.get(_origin(source).name, source.name)
 
 
 def _kind(node: fx.Node, val: torch.Tensor, *, is_param: bool) -> str:

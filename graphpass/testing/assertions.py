@@ -100,20 +100,26 @@ def assert_activation_growth_at_most(report: Report | None, baseline: Baseline, 
 def assert_saved_in_one_dtype(report: Report | None) -> None:
     """No tensor is saved twice in two dtypes (say bf16 and its FP8 copy).
 
-    Rows from the same module and producing op with the same shape, saved in two floating dtypes,
-    are one tensor kept twice. Integer and bool rows (top-k indices next to values) and FP8 scales
-    are other tensors and are not compared.
+    Two signs of it: an FP8 copy saved next to the tensor it quantizes (``Row.copy_of``), and rows
+    from the same module and producing op with the same shape in two floating dtypes. Integer and
+    bool rows (top-k indices next to values) and FP8 scales are other tensors and not compared.
     """
     __tracebackhide__ = True
+    rows = _require(report).rows
+    by_name = {r.name: r for r in rows}
+    twice = {frozenset((r.copy_of, r.name)): [by_name[r.copy_of], r] for r in rows if r.copy_of in by_name}
     groups: dict[tuple[str, str, tuple[int, ...]], list[Row]] = {}
-    for r in _require(report).rows:
+    for r in rows:
         if r.kind in ("activation", "fp8_data") and r.dtype.startswith(("float", "bfloat")):
             groups.setdefault((r.module, r.op, r.shape), []).append(r)
-    twice = [rows for rows in groups.values() if len({r.dtype for r in rows}) > 1]
+    for group in groups.values():
+        if len({r.dtype for r in group}) > 1:
+            twice.setdefault(frozenset(r.name for r in group), group)
     if twice:
         raise AssertionError(
-            f"{len(twice)} tensor(s) saved in more than one dtype (same module, op and shape):\n"
-            + _listing([r for rows in twice for r in rows])
+            f"{len(twice)} tensor(s) saved in more than one dtype (an FP8 copy next to its original, "
+            "or the same module, op and shape):\n"
+            + _listing([r for group in twice.values() for r in group])
         )
 
 
@@ -189,8 +195,9 @@ def assert_fp8_lowered(
 
 
 def is_offloaded(row: Row) -> bool:
-    """Whether a pass decided to offload the row (``offload: yes``; ``offload: no`` is not)."""
-    return any(d.startswith("offload") and d != "offload: no" for d in _decisions(row))
+    """Kept in host memory, or decided so (``offload: yes``); ``offload: no (...)`` and
+    ``offload: eligible`` are not offloads."""
+    return row.offloaded or any(d == "offload: yes" or d.startswith("offloaded") for d in _decisions(row))
 
 
 def is_recomputed(row: Row) -> bool:

@@ -13,7 +13,7 @@ Comparable = Union[Report, Snapshot]
 
 @dataclass(frozen=True)
 class Change:
-    """One row that appeared, disappeared, or changed bytes or decision."""
+    """One row that appeared, disappeared, or changed bytes, decision or placement."""
 
     before: Entry | None
     after: Entry | None
@@ -24,25 +24,36 @@ class Change:
 
     @property
     def delta(self) -> int:
-        return (self.after.bytes if self.after else 0) - (self.before.bytes if self.before else 0)
+        """Change in counted activation bytes: parameters and offloaded rows count 0."""
+        return _counted(self.after) - _counted(self.before)
 
     def describe(self) -> str:
         """``layers.0.mlp.up_proj: +29,360,128 B (aten.mm bfloat16 8192x14336 now saved)``."""
-        e = self.entry
-        if self.before is None:
+        e, before, after = self.entry, self.before, self.after
+        if before is None:
             what = "now saved" + (f", {e.decision}" if e.decision != "saved" else "")
-        elif self.after is None:
+        elif after is None:
             what = "no longer saved"
         else:
             parts = []
-            if self.before.bytes != self.after.bytes:
-                parts.append(f"{self.before.bytes:,} -> {self.after.bytes:,} B")
-            if self.before.decision != self.after.decision:
-                parts.append(f"decision {self.before.decision!r} -> {self.after.decision!r}")
-            if self.before.view_of != self.after.view_of:
-                parts.append(f"view of {self.before.view_of or 'nothing'!r} -> {self.after.view_of or 'nothing'!r}")
+            if before.bytes != after.bytes:
+                parts.append(f"{before.bytes:,} -> {after.bytes:,} B")
+            if before.offloaded != after.offloaded:
+                parts.append("now offloaded" if after.offloaded else "no longer offloaded")
+            if before.decision != after.decision:
+                parts.append(f"decision {before.decision!r} -> {after.decision!r}")
+            if before.view_of != after.view_of:
+                parts.append(f"view of {before.view_of or '-'} -> {after.view_of or '-'}")
             what = "; ".join(parts)
-        return f"{e.module or '(no module)'}: {self.delta:+,} B ({e.describe()} {what})"
+        if e.kind == "parameter":  # listed for what it is, never counted
+            size = f"{(after.bytes if after else 0) - (before.bytes if before else 0):+,} B not counted"
+        else:
+            size = f"{self.delta:+,} B"
+        return f"{e.module or '(no module)'}: {size} ({e.describe()} {what})"
+
+
+def _counted(entry: Entry | None) -> int:
+    return entry.bytes if entry is not None and entry.is_activation else 0
 
 
 @dataclass(frozen=True)
@@ -70,9 +81,10 @@ class SnapshotDiff:
         old, new = self.before.activation_bytes, self.after.activation_bytes
         pct = f", {self.activation_delta / old:+.2%}" if old else ""
         out = [f"activation bytes: {old:,} -> {new:,} B ({self.activation_delta:+,} B{pct})"]
-        if self.before.parameter_bytes != self.after.parameter_bytes:
-            out.append(f"parameter bytes (not counted): {self.before.parameter_bytes:,} -> "
-                       f"{self.after.parameter_bytes:,} B")
+        for name in ("parameter", "offloaded"):
+            old_bytes, new_bytes = (getattr(s, f"{name}_bytes") for s in (self.before, self.after))
+            if old_bytes != new_bytes:
+                out.append(f"{name} bytes (not counted): {old_bytes:,} -> {new_bytes:,} B")
         if self.before.graphs != self.after.graphs:
             out.append(f"graphs: {self.before.graphs} -> {self.after.graphs} (graph breaks changed)")
         out += [f"  {c.describe()}" for c in self.changes]

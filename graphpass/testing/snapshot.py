@@ -41,6 +41,8 @@ class Entry:
     bytes: int
     decision: str = "saved"
     view_of: str = ""
+    offloaded: bool = False
+    """Kept in host memory between forward and backward: not counted, as in the report."""
     index: int = 0
     """0 for the first row with this module, op, shape, dtype and kind; 1, 2... for the others."""
 
@@ -50,7 +52,8 @@ class Entry:
 
     @property
     def is_activation(self) -> bool:
-        return self.kind != "parameter"
+        """Counted in device activation memory, as ``Row.is_activation``."""
+        return self.kind != "parameter" and not self.offloaded
 
     @property
     def op_label(self) -> str:
@@ -66,7 +69,8 @@ class Entry:
         return f"{self.op_label} {self.dtype} {self.shape_label}{kind}"
 
     def line(self) -> str:
-        size = f"{self.bytes:,}" + (f" (view of {self.view_of})" if self.view_of else "")
+        size = (f"{self.bytes:,}" + (" (offloaded)" if self.offloaded else "")
+                + (f" (view of {self.view_of})" if self.view_of else ""))
         return SEP.join((self.module or "-", self.op_label, self.shape_label, self.dtype, self.kind,
                          size, self.decision))
 
@@ -117,7 +121,11 @@ class Snapshot:
 
     @property
     def parameter_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries if not e.is_activation)
+        return sum(e.bytes for e in self.entries if e.kind == "parameter")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries if e.offloaded)
 
     def bytes_by(self, key: str) -> dict[str, int]:
         """Activation bytes grouped by ``kind``, ``dtype``, ``module`` or ``layer``."""
@@ -132,10 +140,11 @@ class Snapshot:
         lines = [HEADER, COLUMNS, *(e.line() for e in self.entries), ""]
         lines += [f"note: {n}" for n in self.notes]
         lines += [
-            "# totals: activation bytes (parameters are listed above but not counted)",
+            "# totals: activation bytes (parameters and offloaded rows are listed above, not counted)",
             f"graphs: {self.graphs}",
             f"activation: {self.activation_bytes:,} B",
             f"parameters: {self.parameter_bytes:,} B",
+            f"offloaded: {self.offloaded_bytes:,} B",
         ]
         for key in ("kind", "dtype", "layer"):
             lines += [f"{key} {group}: {n:,} B" for group, n in self.bytes_by(key).items()]
@@ -153,8 +162,8 @@ def natural_key(text: str) -> tuple[object, ...]:
 
 def _entry(row: Row, base: Row | None) -> Entry:
     view_of = f"{base.module or '-'} {base.op} {format_shape(base.shape)}" if base else ""
-    return Entry(module=row.module, op=row.op, shape=tuple(row.shape), dtype=row.dtype,
-                 kind=row.kind, bytes=row.bytes, decision=row.decision, view_of=view_of)
+    return Entry(module=row.module, op=row.op, shape=tuple(row.shape), dtype=row.dtype, kind=row.kind,
+                 bytes=row.bytes, decision=row.decision, view_of=view_of, offloaded=row.offloaded)
 
 
 def _indexed(entries: list[Entry]) -> tuple[Entry, ...]:
@@ -164,7 +173,7 @@ def _indexed(entries: list[Entry]) -> tuple[Entry, ...]:
     on bytes or decision are numbered the same way in every process, whatever the graph order.
     """
     ordered = sorted(entries, key=lambda e: (natural_key(e.module), e.op, e.shape, e.dtype, e.kind,
-                                             -e.bytes, e.decision, e.view_of))
+                                             -e.bytes, e.offloaded, e.decision, e.view_of))
     seen: dict[tuple[object, ...], int] = {}
     out = []
     for e in ordered:
@@ -177,7 +186,8 @@ def _indexed(entries: list[Entry]) -> tuple[Entry, ...]:
 def _parse_entry(line: str) -> Entry:
     module, op_label, shape, dtype, kind, size, decision = line.split(SEP, 6)
     op, _, index = op_label.partition("#")
-    nbytes, _, view = size.partition(" (view of ")
+    size, _, view = size.partition(" (view of ")
+    nbytes = size.removesuffix(" (offloaded)")
     return Entry(
         module="" if module == "-" else module,
         op=op,
@@ -187,5 +197,6 @@ def _parse_entry(line: str) -> Entry:
         bytes=int(nbytes.replace(",", "")),
         decision=decision,
         view_of=view.removesuffix(")"),
+        offloaded=nbytes != size,
         index=int(index) - 1 if index else 0,
     )

@@ -1,0 +1,223 @@
+"""Save-original, recompute, offload and the planner: exact saved sets and exact numerics."""
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import graphpass
+from examples import deepseek, gpt, llama
+
+UNOPTIMISED = dict(save_original="never", memory="default")  # TE-style FP8 + torch's min-cut
+
+
+def _plan(module, cfg, **build):
+    model, inputs = module.build("tiny", **build)
+    return graphpass.plan(model, *inputs, config=graphpass.Config(**cfg))
+
+
+def _compiled_grads(module, cfg, **build):
+    torch._dynamo.reset()
+    model, inputs = module.build("tiny", **build)
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    compiled = torch.compile(model, backend=graphpass.backend(codegen="eager", **cfg))
+    compiled(*inputs).float().pow(2).mean().backward()
+    return [inputs[0].grad, *(p.grad for p in model.parameters())], graphpass.last_report()
+
+
+def _saved(report):
+    return {(r.module, r.op, r.dtype, r.shape) for r in report.rows if r.kind != "parameter"}
+
+
+# --- exact saved sets ---------------------------------------------------------------------------
+
+def test_llama_layernorm_recompute_with_save_original():
+    """Megatron's layernorm recompute + save_original, on one tiny Llama layer (B=2, S=64, H=256).
+
+    By hand: the layer input x (2x64x256 f32), from which all three norms are recomputed (their
+    statistics too); q and k after RoPE and v (2x4x64x64 / 2x2x64x64), SDPA's output and
+    log-sum-exp; o_proj's output (the residual branch, for post_attention_layernorm's backward);
+    gate and up outputs (2x64x512, silu and the product need them); the layer output, read by
+    the final norm; and one FP8 copy: down_proj's columnwise input (512x128 e4m3 + its scale),
+    whose bf16 original (the SwiGLU product) is not saved. Every other columnwise quantize runs
+    in the backward on a tensor that is saved anyway or recomputed, so no norm output is saved.
+    """
+    report = _plan(llama, dict(fp8="tensorwise", recompute=("layernorm",), memory="default"),
+                   layers=1, seq=64)
+    assert _saved(report) == {
+        ("input:x", "input", "float32", (2, 64, 256)),
+        ("layers.0.self_attn", "aten.add", "float32", (2, 4, 64, 64)),      # q after RoPE
+        ("layers.0.self_attn", "aten.add", "float32", (2, 2, 64, 64)),      # k after RoPE
+        ("layers.0.self_attn", "aten.permute", "float32", (2, 2, 64, 64)),  # v
+        ("layers.0.self_attn", "aten._scaled_dot_product_flash_attention_for_cpu", "float32", (2, 4, 64, 64)),
+        ("layers.0.self_attn", "aten._scaled_dot_product_flash_attention_for_cpu", "float32", (2, 4, 64)),
+        ("layers.0.self_attn.o_proj", "graphpass.fp8_gemm", "float32", (128, 256)),
+        ("layers.0.mlp.gate_proj", "graphpass.fp8_gemm", "float32", (128, 512)),
+        ("layers.0.mlp.up_proj", "graphpass.fp8_gemm", "float32", (128, 512)),
+        ("layers.0", "aten.add", "float32", (2, 64, 256)),
+        ("layers.0.mlp.down_proj", "graphpass.quantize", "float8_e4m3fn", (512, 128)),
+        ("layers.0.mlp.down_proj", "graphpass.quantize", "float32", ()),
+    }
+    sdpa_out = [r for r in report.rows if "scaled_dot_product" in r.op and len(r.shape) == 4]
+    assert len(sdpa_out) == 1  # the attention output is saved once, for attention and o_proj
+    assert "recomputed: layernorm in backward: layers.0.input_layernorm, layers.0.post_attention_layernorm, norm" in report.notes
+
+
+@pytest.mark.parametrize("module", [llama, gpt, deepseek], ids=["llama", "gpt", "deepseek"])
+@pytest.mark.parametrize("policy", [dict(recompute=("layernorm",), memory="default"), dict()],
+                         ids=["layernorm", "auto"])
+def test_no_tensor_saved_in_two_dtypes(module, policy):
+    report = _plan(module, dict(fp8="tensorwise", **policy), seq=64)
+    saved = {r.name for r in report.rows}
+    twice = [r for r in report.rows if r.copy_of and r.copy_of in saved]
+    assert not twice, twice
+    norm_outputs = [r for r in report.rows if r.kind == "fp8_data" and r.module.endswith(("q_proj", "qkv", "gate_proj", "fc1", "q_a_proj"))]
+    assert not norm_outputs  # the norm output is saved in no dtype
+
+
+def test_unoptimised_fp8_saves_fp8_copies_beside_originals():
+    """The problem graphpass solves: TE-style FP8 with torch's min-cut saves more than bf16."""
+    bf16 = _plan(llama, dict(memory="default"), seq=64)
+    fp8 = _plan(llama, dict(fp8="tensorwise", **UNOPTIMISED), seq=64)
+    auto = _plan(llama, dict(fp8="tensorwise"), seq=64)
+    assert fp8.activation_bytes > bf16.activation_bytes
+    assert any(r.copy_of in {x.name for x in fp8.rows} for r in fp8.rows if r.copy_of)
+    assert auto.activation_bytes < 0.75 * bf16.activation_bytes
+
+
+def test_full_recompute_saves_layer_boundaries_only():
+    report = _plan(llama, dict(recompute=("full",)), seq=64)
+    # x, the two layer outputs (one is read by the final norm), the final norm's statistic, and
+    # the RNG state each layer's attention is recomputed under (torch treats SDPA as random)
+    assert sorted((r.module, r.kind, r.shape) for r in report.rows if r.kind != "parameter") == sorted([
+        ("input:x", "activation", (2, 64, 256)), ("layers.0", "activation", (2, 64, 256)),
+        ("layers.1", "activation", (2, 64, 256)), ("norm", "activation", (2, 64, 1)),
+        ("", "rng_state", (5056,)), ("", "rng_state", (5056,))])
+
+
+def test_recompute_include_narrows_selection():
+    everywhere = _plan(llama, dict(recompute=("layernorm",), memory="default"), seq=64)
+    only_first = _plan(llama, dict(recompute=("layernorm",), memory="default",
+                                   recompute_include=("layers.0.*",)), seq=64)
+    assert only_first.activation_bytes > everywhere.activation_bytes
+    assert any("recomputed: layernorm in backward: layers.0.input_layernorm, layers.0.post_attention_layernorm" == n
+               for n in only_first.notes)
+
+
+def test_planner_stays_within_recompute_budget():
+    for module in (llama, gpt, deepseek):
+        report = _plan(module, dict(fp8="tensorwise"), seq=64)
+        assert report.meta["recompute_flops"] <= 0.01 * report.meta["step_flops"]
+        tight = _plan(module, dict(fp8="tensorwise", recompute_budget=0.0), seq=64)
+        assert tight.meta["recompute_flops"] <= report.meta["recompute_flops"]
+
+
+# --- exact numerics -----------------------------------------------------------------------------
+
+POLICIES = [dict(save_original="auto", memory="default"), dict(save_original="always", memory="default"),
+            dict(), dict(recompute=("layernorm", "act", "moe_act"), memory="default"),
+            dict(recompute=("core_attn", "mla_up_proj", "shared_experts", "mlp", "moe")),
+            dict(recompute=("full",), recompute_num_layers=2)]
+
+
+@pytest.mark.parametrize("fp8", [None, "tensorwise", "mxfp8"])
+@pytest.mark.parametrize("module", [llama, deepseek], ids=["llama", "deepseek"])
+def test_passes_are_bit_identical(module, fp8):
+    base, _ = _compiled_grads(module, dict(fp8=fp8, **UNOPTIMISED), seq=64)
+    for policy in POLICIES:
+        grads, _ = _compiled_grads(module, dict(fp8=fp8, **policy), seq=64)
+        assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
+
+
+# --- offload ------------------------------------------------------------------------------------
+
+def test_offload_moves_only_eligible_tensors():
+    base, _ = _compiled_grads(llama, dict(fp8="tensorwise", **UNOPTIMISED), seq=64)
+    grads, report = _compiled_grads(llama, dict(fp8="tensorwise", offload=True, offload_min_bytes=65536,
+                                                **UNOPTIMISED), seq=64)
+    assert all(torch.equal(a, b) for a, b in zip(grads, base))
+    offloaded = [r for r in report.rows if r.offloaded]
+    assert offloaded and all(r.kind == "activation" and r.bytes >= 65536 for r in offloaded)
+    assert all(not r.decision.startswith("offload: yes") for r in report.rows if r.kind == "parameter")
+    assert {r.module for r in offloaded} >= {"layers.0.self_attn.o_proj", "layers.0.mlp.gate_proj"}
+    assert report.offloaded_bytes == sum(r.bytes for r in offloaded)
+    reasons = {r.decision for r in report.rows if not r.offloaded}
+    assert "offload: no (parameter)" in reasons and "fp8 copy (weight, columnwise); offload: no (quantized weight)" in reasons
+
+
+def test_offload_opt_out_and_graph_contents():
+    from graphpass.pipeline import partition
+
+    captured = {}
+
+    def spy(*args, **kwargs):
+        fw, bw = partition(*args, **kwargs)
+        captured["fw"], captured["bw"] = fw, bw
+        return fw, bw
+
+    import importlib
+    backend_module = importlib.import_module("graphpass.backend")
+    original = backend_module.partition
+    backend_module.partition = spy
+    try:
+        _compiled_grads(llama, dict(offload=True, offload_min_bytes=65536, memory="default",
+                                    offload_exclude=("layers.0.mlp.*",)), seq=64)
+    finally:
+        backend_module.partition = original
+    fw_names = [n.name for n in captured["fw"].graph.nodes]
+    bw_names = [n.name for n in captured["bw"].graph.nodes]
+    offloads = [n for n in fw_names if n.startswith("cpu_offload_")]
+    assert offloads and {f"gpu_reload_{n.removeprefix('cpu_offload_')}" for n in offloads} <= set(bw_names)
+    for node in captured["fw"].graph.nodes:
+        if node.name.startswith("cpu_offload_"):
+            source = node.args[0]
+            assert source.op != "placeholder"  # never a parameter or an input
+            assert not source.meta.get("nn_module_stack", {}) or "layers.0.mlp" not in str(
+                list(source.meta["nn_module_stack"].values())[-1][0]).replace("L['self'].", "")
+
+
+# --- property test ------------------------------------------------------------------------------
+
+class _Block(nn.Module):
+    def __init__(self, dim, kind):
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.LayerNorm(dim) if kind != "rms" else nn.RMSNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+        self.heads = 2
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.kind == "attn":
+            b, s, d = x.shape
+            q, k = self.fc1(h).split(d, dim=-1)
+            q, k = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k))
+            att = nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+            return x + self.fc2(torch.cat([att.transpose(1, 2).reshape(b, s, d)] * 2, dim=-1))
+        return x + self.fc2(nn.functional.gelu(self.fc1(h)))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kinds=st.lists(st.sampled_from(["mlp", "rms", "attn"]), min_size=1, max_size=3),
+       dim=st.sampled_from([32, 64]), fp8=st.sampled_from([None, "tensorwise"]),
+       save=st.sampled_from(["auto", "never"]), memory=st.sampled_from(["auto", "default"]),
+       recompute=st.sets(st.sampled_from(["layernorm", "act", "core_attn", "mlp"])),
+       seed=st.integers(0, 3))
+def test_random_stacks_and_policies(kinds, dim, fp8, save, memory, recompute, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[_Block(dim, k) for k in kinds])
+    x = torch.randn(2, 16, dim)
+
+    def run(cfg):
+        torch._dynamo.reset()
+        model.zero_grad()
+        xx = x.clone().requires_grad_()
+        torch.compile(model, backend=graphpass.backend(codegen="eager", **cfg))(xx).pow(2).mean().backward()
+        return [xx.grad, *(p.grad.clone() for p in model.parameters())], graphpass.last_report()
+
+    base, base_report = run(dict(fp8=fp8, **UNOPTIMISED))
+    grads, report = run(dict(fp8=fp8, save_original=save, memory=memory, recompute=tuple(sorted(recompute))))
+    assert all(torch.equal(a, b) for a, b in zip(grads, base))
+    assert report.activation_bytes <= base_report.activation_bytes
