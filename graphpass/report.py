@@ -95,7 +95,8 @@ class Report:
             prefix = f"g{i}." if len(reports) > 1 else ""
             merged.rows += [
                 dataclasses.replace(r, name=prefix + r.name,
-                                    alias_of=prefix + r.alias_of if r.alias_of else "")
+                                    alias_of=prefix + r.alias_of if r.alias_of else "",
+                                    copy_of=prefix + r.copy_of if r.copy_of else "")
                 for r in rep.rows
             ]
             merged.notes += rep.notes

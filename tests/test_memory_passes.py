@@ -76,14 +76,18 @@ def test_no_tensor_saved_in_two_dtypes(module, policy):
     assert not norm_outputs  # the norm output is saved in no dtype
 
 
-def test_unoptimised_fp8_saves_fp8_copies_beside_originals():
-    """The problem graphpass solves: TE-style FP8 with torch's min-cut saves more than bf16."""
+def test_unoptimised_fp8_keeps_fp8_copies_beside_originals():
+    """The problem graphpass solves: TE-style FP8 with torch's min-cut saves the attention
+    output twice, in bf16 for attention's backward and in FP8 for o_proj's wgrad."""
     bf16 = _plan(llama, dict(memory="default"), seq=64)
     fp8 = _plan(llama, dict(fp8="tensorwise", **UNOPTIMISED), seq=64)
     auto = _plan(llama, dict(fp8="tensorwise"), seq=64)
-    assert fp8.activation_bytes > bf16.activation_bytes
-    assert any(r.copy_of in {x.name for x in fp8.rows} for r in fp8.rows if r.copy_of)
+    saved = {r.name: r for r in fp8.rows}
+    twice = {saved[r.copy_of].op for r in fp8.rows if r.copy_of in saved}
+    assert twice == {"aten._scaled_dot_product_flash_attention_for_cpu"}
+    assert not [r for r in auto.rows if r.copy_of in {x.name for x in auto.rows}]
     assert auto.activation_bytes < 0.75 * bf16.activation_bytes
+    assert auto.activation_bytes < 0.9 * fp8.activation_bytes
 
 
 def test_full_recompute_saves_layer_boundaries_only():
@@ -118,15 +122,15 @@ def test_planner_stays_within_recompute_budget():
 POLICIES = [dict(save_original="auto", memory="default"), dict(save_original="always", memory="default"),
             dict(), dict(recompute=("layernorm", "act", "moe_act"), memory="default"),
             dict(recompute=("core_attn", "mla_up_proj", "shared_experts", "mlp", "moe")),
-            dict(recompute=("full",), recompute_num_layers=2)]
+            dict(recompute=("full",))]
 
 
 @pytest.mark.parametrize("fp8", [None, "tensorwise", "mxfp8"])
 @pytest.mark.parametrize("module", [llama, deepseek], ids=["llama", "deepseek"])
 def test_passes_are_bit_identical(module, fp8):
-    base, _ = _compiled_grads(module, dict(fp8=fp8, **UNOPTIMISED), seq=64)
+    base, _ = _compiled_grads(module, dict(fp8=fp8, **UNOPTIMISED), seq=64, layers=1)
     for policy in POLICIES:
-        grads, _ = _compiled_grads(module, dict(fp8=fp8, **policy), seq=64)
+        grads, _ = _compiled_grads(module, dict(fp8=fp8, **policy), seq=64, layers=1)
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
 
 
@@ -142,8 +146,10 @@ def test_offload_moves_only_eligible_tensors():
     assert all(not r.decision.startswith("offload: yes") for r in report.rows if r.kind == "parameter")
     assert {r.module for r in offloaded} >= {"layers.0.self_attn.o_proj", "layers.0.mlp.gate_proj"}
     assert report.offloaded_bytes == sum(r.bytes for r in offloaded)
-    reasons = {r.decision for r in report.rows if not r.offloaded}
-    assert "offload: no (parameter)" in reasons and "fp8 copy (weight, columnwise); offload: no (quantized weight)" in reasons
+    params = [r for r in report.rows if r.kind == "parameter"]
+    assert params and {r.decision for r in params} == {"offload: no (parameter)"}
+    scales = [r for r in report.rows if r.kind == "fp8_scale"]
+    assert scales and all(r.decision.endswith("offload: no (FP8 scale)") for r in scales)
 
 
 def test_offload_opt_out_and_graph_contents():
@@ -199,7 +205,7 @@ class _Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(h)))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kinds=st.lists(st.sampled_from(["mlp", "rms", "attn"]), min_size=1, max_size=3),
        dim=st.sampled_from([32, 64]), fp8=st.sampled_from([None, "tensorwise"]),
        save=st.sampled_from(["auto", "never"]), memory=st.sampled_from(["auto", "default"]),

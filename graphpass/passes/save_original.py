@@ -10,6 +10,9 @@ re-quantized bits identical to the forward's, so this choice never changes numer
 * ``always``: pin the columnwise quantize in the backward (TE's ``save_original_input``);
 * ``never``: quantize both usages in one forward op whose outputs cannot be recomputed, so the
   FP8 copy is saved (Transformer Engine's default).
+
+This is about linear *inputs*, as TE's flag is. A weight's columnwise copy is always left to the
+min-cut: the weight is resident anyway, so re-quantizing it in the backward costs no memory.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def save_original(joint: fx.GraphModule, config: Config, log: list[str]) -> None
         if op_name(node) != "graphpass.quantize" or is_backward(node):
             continue
         x, _, role, usage = node.args
+        if role != "input":
+            continue
         if usage == "rowwise":
             rowwise[(x, role)] = node
         elif usage == "columnwise":

@@ -1,0 +1,142 @@
+"""Saved activation bytes of real-size layers under each memory policy, planned on fake tensors.
+
+    python benchmarks/memory.py                    # llama, gpt, deepseek at real size, tensorwise
+    python benchmarks/memory.py --markdown         # the table for docs/numbers.md
+
+Per layer and policy it prints the bytes the forward saves for the backward (parameters and
+their views excluded, each storage counted once) and the recompute the policy adds, as a share
+of the step's FLOPs. No GPU is needed: ``graphpass.plan`` traces and partitions under fake
+tensors. The "lower bound" is torch's min-cut when every op but GEMMs, attention and random ops
+may be recomputed, with no recompute budget: no plan that keeps those ops saved saves less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import graphpass  # noqa: E402
+from graphpass.report import format_bytes  # noqa: E402
+
+# Megatron-Core sets save_original_input on these linears (shared/reference/transformer-engine.md
+# §4): the attention output projection always under FP8, the linears reading a recomputed norm
+# (qkv, MLA down-projections, dense fc1, shared-expert fc1).
+MEGATRON_SAVE_ORIGINAL = {
+    "llama": ("*.o_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.mlp.gate_proj", "*.mlp.up_proj"),
+    "gpt": ("*.attn.proj", "*.attn.qkv", "*.mlp.fc1"),
+    "deepseek": ("*.o_proj", "*.q_a_proj", "*.kv_a_proj_with_mqa", "*.shared_experts.gate_proj",
+                 "*.shared_experts.up_proj"),
+}
+
+
+@dataclass
+class Result:
+    policy: str
+    bytes: int | None
+    recompute: float | None
+    note: str = ""
+
+
+def policies(model: str, fp8: str) -> dict[str, dict]:
+    return {
+        "bf16, torch default partitioner": dict(memory="default"),
+        "FP8, torch default partitioner": dict(fp8=fp8, save_original="never", memory="default"),
+        "torchao float8 + torch.compile": None,  # planned separately below
+        "Megatron-style hand policy": dict(fp8=fp8, memory="default", save_original="never",
+                                           save_original_modules=MEGATRON_SAVE_ORIGINAL[model],
+                                           recompute=("layernorm", "moe_act")),
+        "graphpass auto": dict(fp8=fp8),
+        "lower bound": dict(fp8=fp8, recompute_budget=None),
+    }
+
+
+def plan(model_name: str, size: str, cfg: dict | None) -> Result:
+    build = importlib.import_module(f"examples.{model_name}").build
+    model, inputs = build(size)
+    if cfg is None:
+        try:
+            from torchao.float8 import convert_to_float8_training
+        except ImportError:
+            return Result("torchao float8 + torch.compile", None, None, "torchao not installed")
+        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: not fqn.endswith("gate"))
+        cfg = dict(memory="default")
+    report = graphpass.plan(model, *inputs, config=graphpass.Config(**cfg))
+    share = report.meta["recompute_flops"] / report.meta["step_flops"]
+    return Result("", report.activation_bytes, share)
+
+
+def run(models: list[str], size: str, fp8: str) -> dict[str, list[Result]]:
+    results: dict[str, list[Result]] = {}
+    for model in models:
+        results[model] = []
+        for i, (name, cfg) in enumerate(policies(model, fp8).items()):
+            start = time.perf_counter()
+            print(f"[{model} {i + 1}/6] {name} ...", file=sys.stderr, end="", flush=True)
+            result = plan(model, size, cfg)
+            result.policy = name
+            print(f" {time.perf_counter() - start:.1f}s", file=sys.stderr)
+            results[model].append(result)
+    return results
+
+
+def table(results: dict[str, list[Result]], *, markdown: bool) -> str:
+    head = ("layer", "policy", "saved activations", "vs bf16", "recompute (% step FLOPs)")
+    rows = []
+    for model, res in results.items():
+        bf16 = res[0].bytes
+        for r in res:
+            if r.bytes is None:
+                rows.append((model, r.policy, r.note, "", ""))
+                continue
+            rows.append((model, r.policy, f"{format_bytes(r.bytes)} ({r.bytes:,} B)",
+                         f"{r.bytes / bf16 - 1:+.1%}", f"{r.recompute:.3%}"))
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in (head, *rows))
+
+
+def check(results: dict[str, list[Result]]) -> list[str]:
+    """The targets of the memory issue, each as a line saying whether it holds."""
+    lines = []
+    for model, res in results.items():
+        by = {r.policy: r.bytes for r in res}
+        auto, lb = by["graphpass auto"], by["lower bound"]
+        checks = [
+            (f"auto within 2% of the lower bound ({auto / lb - 1:+.2%})", auto <= 1.02 * lb),
+            (f"auto <= Megatron-style ({auto / by['Megatron-style hand policy'] - 1:+.1%})",
+             auto <= by["Megatron-style hand policy"]),
+            (f"auto >= 30% below bf16 default ({auto / by['bf16, torch default partitioner'] - 1:+.1%})",
+             auto <= 0.7 * by["bf16, torch default partitioner"]),
+            (f"auto >= 20% below FP8 default ({auto / by['FP8, torch default partitioner'] - 1:+.1%})",
+             auto <= 0.8 * by["FP8, torch default partitioner"]),
+            ("auto recompute <= 1% of step FLOPs",
+             next(r.recompute for r in res if r.policy == "graphpass auto") <= 0.01),
+        ]
+        lines += [f"{model}: {'PASS' if ok else 'MISS'} {text}" for text, ok in checks]
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["llama", "gpt", "deepseek"])
+    p.add_argument("--size", default="real")
+    p.add_argument("--fp8", default="tensorwise", choices=["tensorwise", "blockwise", "mxfp8"])
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    results = run(args.models, args.size, args.fp8)
+    print(table(results, markdown=args.markdown))
+    print()
+    print("\n".join(("- " if args.markdown else "") + line for line in check(results)))
+
+
+if __name__ == "__main__":
+    main()
