@@ -18,7 +18,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from .cli_flags import ConfigFlag, add_config_flags, config_flags, parse_policy, show
 from .config import Config
-from .report import Report
+from .report import Report, format_bytes
 from .testing import Snapshot, diff
 
 EXAMPLES = ("llama", "gpt", "deepseek")
@@ -127,6 +127,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(r.table() if len(results) == 1 else f"== {m} {args.size} {label} ==\n{r.table()}"
                           for m, label, r in results))
+        _print_against_bf16(results, args.size, args.layers)
     if args.plot:
         from .plot import plot_saved_bytes
 
@@ -136,6 +137,23 @@ def cmd_report(args: argparse.Namespace) -> int:
         plot_saved_bytes(panels, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _print_against_bf16(results: list[tuple[str, str, Report]], size: str, layers: int | None) -> None:
+    """Under FP8, the saved bytes next to bf16 with torch's default partitioner, per model."""
+    from .plan import plan
+
+    fp8_models = {m for m, _, r in results if r.meta.get("config", {}).get("fp8")}
+    if not fp8_models:
+        return
+    print()
+    for model_name in sorted(fp8_models):
+        module, inputs = build_model(model_name, size, layers)
+        bf16 = plan(module, *inputs, config=Config(codegen="eager", memory="default")).activation_bytes
+        print(f"{model_name} {size}: bf16 with torch's default partitioner saves {format_bytes(bf16)}")
+        for m, label, r in results:
+            if m == model_name:
+                print(f"  {label}: {format_bytes(r.activation_bytes)} ({r.activation_bytes / bf16 - 1:+.1%})")
 
 
 def _policy(spec: str, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
