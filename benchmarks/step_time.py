@@ -1,0 +1,155 @@
+"""Time one training step (forward + backward) of an example layer compiled by graphpass: bf16
+against FP8 per recipe and kernel provider.
+
+    python benchmarks/step_time.py                       # every model, recipe and provider
+    python benchmarks/step_time.py --models llama --recipes tensorwise --kernels scaled_mm te
+
+On CUDA it runs the real-size layer in bf16 under Inductor and reports the median of CUDA-event
+timings and the peak memory allocated. Without CUDA it runs the tiny size on CPU with
+codegen="eager" (Inductor's C++ compile of every config would take minutes on 2 cores), only to
+keep the script working: those timings say nothing about FP8 on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ lives in the repo root
+import graphpass  # noqa: E402
+from graphpass.fp8 import providers  # noqa: E402
+
+RECIPES = ("tensorwise", "blockwise", "mxfp8")
+KERNELS = ("reference", "scaled_mm", "te")
+WARMUP = 3
+
+
+@dataclass
+class Result:
+    model: str
+    config: str
+    ms: float | None = None
+    peak_gib: float | None = None
+    note: str = ""
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost error's first clause: dynamo wraps a backend's error (``inner_exception``,
+    not always ``__cause__``), and graphpass's messages go on after a ';' or ', or use' with
+    alternatives the table has no room for."""
+    while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:
+        error = inner
+    first = str(error).strip().splitlines()[0]
+    return first.split(";")[0].split(", or use")[0]
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """Milliseconds one call takes: CUDA events around it on CUDA, wall clock on CPU."""
+    if device.type == "cuda":
+        def cuda_ms(fn: Callable[[], None]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        return cuda_ms
+
+    def cpu_ms(fn: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return cpu_ms
+
+
+def run_config(model_name: str, label: str, options: dict[str, str | None], size: str,
+               codegen: str, device: torch.device, steps: int) -> Result:
+    result = Result(model_name, label)
+    try:
+        backend = graphpass.backend(codegen=codegen, **options)
+    except ValueError as e:  # Config validation refuses e.g. scaled_mm with blockwise
+        result.note = f"skipped: {_reason(e)}"
+        return result
+
+    # A fresh model per config: the peak then counts this config's weights, grads and step only.
+    torch._dynamo.reset()
+    build = importlib.import_module(f"examples.{model_name}").build
+    model, inputs = build(size, layers=1, device=device, dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend=backend)
+
+    def step() -> None:
+        # set_to_none: every step allocates its gradients, as a training step after zero_grad does
+        model.zero_grad(set_to_none=True)
+        for x in inputs:
+            x.grad = None
+        compiled(*inputs).float().pow(2).mean().backward()
+
+    timer = _timer(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        for _ in range(WARMUP):  # the first step compiles
+            step()
+        result.ms = statistics.median(timer(step) for _ in range(steps))
+    except Exception as e:  # a provider refusing this device, an out-of-memory, a kernel error
+        result.note = f"failed: {_reason(e)}"
+        return result
+    if device.type == "cuda":
+        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["llama", "deepseek"],
+                        choices=["llama", "deepseek"])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    # te is tried by default only where it imports; naming it explicitly reports why it cannot run.
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS,
+                        default=[k for k in KERNELS if k != "te" or providers.te_available()])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps; the median is shown")
+    parser.add_argument("--size", choices=["tiny", "real"],
+                        help="model size (default: real on CUDA, tiny on CPU)")
+    parser.add_argument("--codegen", choices=["inductor", "eager"],
+                        help="graphpass code generation (default: inductor on CUDA, eager on CPU)")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    size = args.size or ("real" if device.type == "cuda" else "tiny")
+    codegen = args.codegen or ("inductor" if device.type == "cuda" else "eager")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        "CPU (no CUDA): tiny-size smoke run, timings are not representative of FP8 on a GPU")
+    print(f"one training step (fw+bw), 1 layer, size={size}, bf16, codegen={codegen}, median of "
+          f"{args.steps} steps after {WARMUP} warm-up; torch {torch.__version__}; {where}")
+    print("vs bf16: speedup, bf16 median / this median, both from this run")
+
+    configs: list[tuple[str, dict[str, str | None]]] = [("bf16", {"fp8": None})]
+    configs += [(f"{r}/{k}", {"fp8": r, "kernels": k}) for r in args.recipes for k in args.kernels]
+
+    header = f"{'model':<9} {'config':<22} {'median ms':>10} {'vs bf16':>8} {'peak GiB':>9}  note"
+    print(header)
+    print("-" * len(header))
+    for model_name in args.models:
+        baseline: float | None = None
+        for label, options in configs:
+            r = run_config(model_name, label, options, size, codegen, device, args.steps)
+            baseline = r.ms if label == "bf16" else baseline
+            ms = f"{r.ms:.2f}" if r.ms is not None else "-"
+            speedup = f"{baseline / r.ms:.2f}x" if r.ms and baseline else "-"
+            peak = f"{r.peak_gib:.2f}" if r.peak_gib is not None else "-"
+            print(f"{r.model:<9} {r.config:<22} {ms:>10} {speedup:>8} {peak:>9}  {r.note}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""graphpass's Transformer Engine provider against the installed TE's real API.
+
+Skipped unless ``transformer_engine.pytorch`` imports (``scripts/te_env.sh`` builds such an
+environment; no GPU needed). Without a GPU TE runs no kernel, so these check what can be checked
+on CPU: every entry point graphpass calls exists and takes the keywords graphpass passes, the
+dtype enums exist, and the operands graphpass hands TE dequantize (TE's CPU fallback) to what
+graphpass's own recipe says. Test names contain ``te_`` so that ``-k te_`` selects them.
+"""
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from graphpass.fp8 import providers, recipes
+
+pytestmark = [
+    pytest.mark.te,
+    pytest.mark.skipif(not providers.te_available(),
+                       reason="transformer_engine.pytorch does not import"),
+]
+
+
+def _te_calls() -> dict[str, tuple[str, ...]]:
+    from graphpass.fp8 import te
+
+    return te.CALLS
+
+
+@pytest.mark.parametrize("path", list(_te_calls()))
+def test_te_call_accepts_graphpass_keywords(path):
+    module, _, name = path.rpartition(".")
+    fn = getattr(importlib.import_module(module), name)
+    signature = inspect.signature(fn)
+    params = signature.parameters
+    # A **kwargs catch-all would accept any name, so it must not hide a misspelt keyword.
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    missing = [k for k in _te_calls()[path] if k not in params or params[k].kind not in by_keyword]
+    assert not missing, f"{path}{signature} takes no keyword(s) {missing}"
+
+
+def test_te_dtype_enums():
+    import transformer_engine_torch as tex
+
+    from graphpass.fp8.te import TransformerEngine
+
+    provider = TransformerEngine()  # its __init__ only imports, so it constructs on CPU
+    assert provider._te_dtype == {torch.float8_e4m3fn: tex.DType.kFloat8E4M3,
+                                  torch.float8_e5m2: tex.DType.kFloat8E5M2}
+
+
+def test_te_provider_supports():
+    from graphpass.fp8.te import TransformerEngine
+
+    provider = TransformerEngine()
+    assert provider.supports("tensorwise", torch.device("cuda")) is None
+    assert "CUDA" in provider.supports("tensorwise", torch.device("cpu"))
+    for recipe in ("blockwise", "mxfp8"):
+        assert provider.supports(recipe, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("role", ["input", "weight", "grad"])
+def test_te_operand_dequantizes_like_the_recipe(role):
+    """The storage graphpass wraps its operands in means what graphpass means: data * scale_inv."""
+    from graphpass.fp8.te import TransformerEngine
+
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 3
+    data, scale_inv = recipes.quantize(x, "tensorwise", role)
+    storage = TransformerEngine()._wrap(data, scale_inv)
+    torch.testing.assert_close(storage.dequantize(dtype=torch.float32),
+                               recipes.dequantize(data, scale_inv, "tensorwise", role),
+                               rtol=0, atol=0)
