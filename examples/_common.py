@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,55 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build(
+class RopeDecoder(nn.Module):
+    """A stack of pre-norm blocks sharing one RoPE table (Llama, DeepSeek); with
+    ``config.vocab_size`` set it maps token ids to logits."""
+
+    def __init__(self, config: Any, block: Callable[[Any, int], nn.Module], rope_dim: int) -> None:
+        super().__init__()
+        self.config = config
+        self.rope_dim = rope_dim
+        lm = config.vocab_size is not None
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden) if lm else None
+        self.layers = nn.ModuleList([block(config, i) for i in range(config.layers)])
+        self.norm = nn.RMSNorm(config.hidden, eps=config.norm_eps)
+        self.output = nn.Linear(config.hidden, config.vocab_size, bias=False) if lm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        cos, sin = rope_cos_sin(x.shape[1], self.rope_dim, self.config.rope_theta, x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        x = self.norm(x)
+        return x if self.output is None else self.output(x)
+
+
+def builder(model_cls: type[M], sizes: Mapping[str, Any]) -> Callable[..., tuple[M, tuple[torch.Tensor, ...]]]:
+    """The ``build`` function of a model module."""
+
+    def build(
+        size: str = "tiny",
+        *,
+        layers: int | None = None,
+        batch: int | None = None,
+        seq: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+    ) -> tuple[M, tuple[torch.Tensor, ...]]:
+        """Model and example inputs: hidden states (batch, seq, hidden), or token ids for LM sizes.
+
+        ``tiny`` builds float32 on the CPU with deterministic weights from ``seed``; ``real``
+        builds bfloat16 on the meta device, allocating nothing of the model's size.
+        """
+        return _build(model_cls, sizes, size, layers=layers, batch=batch, seq=seq, dtype=dtype,
+                      device=device, seed=seed)
+
+    return build
+
+
+def _build(
     model_cls: type[M],
     sizes: Mapping[str, Any],
     size: str,
@@ -82,7 +130,6 @@ def build(
     device: str | torch.device | None,
     seed: int,
 ) -> tuple[M, tuple[torch.Tensor, ...]]:
-    """Shared implementation of each model module's ``build``."""
     if size not in sizes:
         raise ValueError(f"unknown size {size!r}; valid sizes: {', '.join(sizes)}")
     overrides = {"layers": layers, "batch": batch, "seq": seq}

@@ -113,18 +113,4 @@ class Model(nn.Module):
         return x if self.output is None else self.output(x)
 
 
-def build(
-    size: str = "tiny",
-    *,
-    layers: int | None = None,
-    batch: int | None = None,
-    seq: int | None = None,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    seed: int = 0,
-) -> tuple[Model, tuple[torch.Tensor, ...]]:
-    """Model and example inputs: hidden states (batch, seq, hidden), or token ids for LM sizes."""
-    return _common.build(
-        Model, SIZES, size,
-        layers=layers, batch=batch, seq=seq, dtype=dtype, device=device, seed=seed,
-    )  # fmt: skip
+build = _common.builder(Model, SIZES)

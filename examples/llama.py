@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _common
-from ._common import SwiGLU, apply_rope, rope_cos_sin
+from ._common import SwiGLU, apply_rope
 
 
 @dataclass(frozen=True)
@@ -75,42 +75,11 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Model(nn.Module):
+class Model(_common.RopeDecoder):
     """Stack of Llama blocks; with ``config.vocab_size`` set it maps token ids to logits."""
 
     def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        lm = config.vocab_size is not None
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden) if lm else None
-        self.layers = nn.ModuleList([Block(config, i) for i in range(config.layers)])
-        self.norm = nn.RMSNorm(config.hidden, eps=config.norm_eps)
-        self.output = nn.Linear(config.hidden, config.vocab_size, bias=False) if lm else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            x = self.tok_embeddings(x)
-        cos, sin = rope_cos_sin(
-            x.shape[1], self.config.head_dim, self.config.rope_theta, x.device, x.dtype
-        )
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        x = self.norm(x)
-        return x if self.output is None else self.output(x)
+        super().__init__(config, Block, rope_dim=config.head_dim)
 
 
-def build(
-    size: str = "tiny",
-    *,
-    layers: int | None = None,
-    batch: int | None = None,
-    seq: int | None = None,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    seed: int = 0,
-) -> tuple[Model, tuple[torch.Tensor, ...]]:
-    """Model and example inputs: hidden states (batch, seq, hidden), or token ids for LM sizes."""
-    return _common.build(
-        Model, SIZES, size,
-        layers=layers, batch=batch, seq=seq, dtype=dtype, device=device, seed=seed,
-    )  # fmt: skip
+build = _common.builder(Model, SIZES)
