@@ -48,17 +48,23 @@ def min_cut_partition(
 
 
 @contextlib.contextmanager
-def min_cut_settings(*, relaxed: bool, offload: bool) -> Iterator[None]:
+def min_cut_settings(*, relaxed: bool, offload: bool, offload_stream: bool) -> Iterator[None]:
     """torch's partitioner settings for one partition.
 
     ``relaxed`` turns off the min-cut's recompute heuristics (allowlist, reductions, fusible
     chains, distance), leaving bans to ``recompute`` tags; ``offload`` turns on torch's
-    activation offloading of nodes tagged ``should_offload`` (synchronous, on the default
-    stream: the separate-stream mode differs between torch 2.11 and 2.12+).
+    activation offloading of nodes tagged ``should_offload``, and ``offload_stream`` its
+    separate-stream mode (CUDA only) with the sink-wait and reload-prefetch options where this
+    torch has them (2.12+; 2.11 has the separate stream only).
     """
     from torch._functorch import config as functorch_config
 
     patch: dict[str, Any] = {"enable_activation_offloading": offload}
+    if offload and offload_stream:
+        for key in ("activation_offload_separate_stream", "activation_offload_sink_wait",
+                    "activation_reload_prefetch"):
+            if hasattr(functorch_config, key):
+                patch[key] = True
     if relaxed:
         patch.update(ban_recompute_used_far_apart=False, ban_recompute_long_fusible_chains=False,
                      ban_recompute_materialized_backward=False,

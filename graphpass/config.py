@@ -87,6 +87,10 @@ class Config:
     offload: bool = False
     """Offload eligible saved activations to CPU with torch's activation offloading."""
 
+    offload_stream: bool = True
+    """On CUDA, copy on a separate stream and prefetch reloads (torch's separate-stream mode);
+    off, or on CPU, the copies run synchronously on the default stream."""
+
     offload_min_bytes: int = 1 << 20
     """Saved tensors smaller than this are never offloaded."""
 
@@ -129,6 +133,7 @@ class Config:
             raise ValueError(f"invalid graphpass option recompute_budget={self.recompute_budget!r}; "
                              "expected a fraction of step FLOPs such as 0.01, or None for no limit")
         _type("offload", self.offload, bool)
+        _type("offload_stream", self.offload_stream, bool)
 
     @classmethod
     def from_options(cls, **options: Any) -> "Config":

@@ -62,7 +62,9 @@ def partition(
     for graph_pass in PASSES:
         graph_pass(joint_module, config, log)
     step_flops = sum(node_flops(n) for n in joint_module.graph.nodes)
-    with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload):
+    on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in primals)
+    with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
+                                  offload_stream=config.offload_stream and on_cuda):
         fw, bw = _compat.min_cut_partition(
             joint_module,
             joint_inputs,

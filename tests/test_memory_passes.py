@@ -227,3 +227,17 @@ def test_random_stacks_and_policies(kinds, dim, fp8, save, memory, recompute, se
     grads, report = run(dict(fp8=fp8, save_original=save, memory=memory, recompute=tuple(sorted(recompute))))
     assert all(torch.equal(a, b) for a, b in zip(grads, base))
     assert report.activation_bytes <= base_report.activation_bytes
+
+
+def test_offload_stream_settings():
+    """On CUDA graphs, offloading uses torch's separate-stream mode (CPU would fail at run time)."""
+    from torch._functorch import config as functorch_config
+
+    from graphpass import _compat
+
+    with _compat.min_cut_settings(relaxed=False, offload=True, offload_stream=True):
+        assert functorch_config.enable_activation_offloading
+        assert functorch_config.activation_offload_separate_stream
+    with _compat.min_cut_settings(relaxed=False, offload=True, offload_stream=False):
+        assert not functorch_config.activation_offload_separate_stream
+    assert not functorch_config.enable_activation_offloading
