@@ -99,7 +99,29 @@ def custom_partitioner_base() -> type:
 
 
 def inductor_partition_fn() -> Callable[..., Any]:
-    """Inductor's partition step: its joint-graph passes, then ``custom_partitioner_fn``."""
-    from torch._inductor import compile_fx
+    """Inductor's partition step: its joint-graph passes, then ``custom_partitioner_fn``.
 
-    return compile_fx.partition_fn
+    Outside ``compile_fx`` nobody installs Inductor's virtualized fake mode, which its random-op
+    joint pass (dropout) reads; install the joint graph's own.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._inductor import compile_fx
+    from torch._inductor.virtualized import V
+
+    def partition_fn(gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return compile_fx.partition_fn(gm, joint_inputs, **kwargs)
+
+    return partition_fn
+
+
+@contextlib.contextmanager
+def unlimited_recompiles() -> Iterator[None]:
+    """Each ``plan()`` compiles a fresh fake copy of the same code; don't let dynamo's per-code
+    recompile limit (8) turn the ninth plan of a model into an uncompiled run."""
+    from torch._dynamo import config as dynamo_config
+
+    names = [n for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                         "accumulated_cache_size_limit") if hasattr(dynamo_config, n)]
+    with dynamo_config.patch({n: 10**9 for n in names}):
+        yield

@@ -127,7 +127,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(r.table() if len(results) == 1 else f"== {m} {args.size} {label} ==\n{r.table()}"
                           for m, label, r in results))
-        _print_against_bf16(results, args.size, args.layers)
+        _print_against_high_precision(results, args.size, args.layers)
     if args.plot:
         from .plot import plot_saved_bytes
 
@@ -139,8 +139,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_against_bf16(results: list[tuple[str, str, Report]], size: str, layers: int | None) -> None:
-    """Under FP8, the saved bytes next to bf16 with torch's default partitioner, per model."""
+def _print_against_high_precision(results: list[tuple[str, str, Report]], size: str, layers: int | None) -> None:
+    """Under FP8, the saved bytes next to the model's own dtype with torch's default partitioner."""
     from .plan import plan
 
     fp8_models = {m for m, _, r in results if r.meta.get("config", {}).get("fp8")}
@@ -149,11 +149,11 @@ def _print_against_bf16(results: list[tuple[str, str, Report]], size: str, layer
     print()
     for model_name in sorted(fp8_models):
         module, inputs = build_model(model_name, size, layers)
-        bf16 = plan(module, *inputs, config=Config(codegen="eager", memory="default")).activation_bytes
-        print(f"{model_name} {size}: bf16 with torch's default partitioner saves {format_bytes(bf16)}")
+        base = plan(module, *inputs, config=Config(codegen="eager", memory="default")).activation_bytes
+        print(f"{model_name} {size}: without FP8, torch's default partitioner saves {format_bytes(base)}")
         for m, label, r in results:
             if m == model_name:
-                print(f"  {label}: {format_bytes(r.activation_bytes)} ({r.activation_bytes / bf16 - 1:+.1%})")
+                print(f"  {label}: {format_bytes(r.activation_bytes)} ({r.activation_bytes / base - 1:+.1%})")
 
 
 def _policy(spec: str, flags: Sequence[ConfigFlag]) -> dict[str, Any]:

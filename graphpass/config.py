@@ -53,11 +53,12 @@ class Config:
     """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
 
     save_original: str = "auto"
-    """For the quantized copy of a linear input the backward needs (wgrad's columnwise X, dgrad's
-    columnwise W): ``"never"`` saves the FP8 copy, quantized in the forward as TE does by default;
+    """For the quantized copy of a linear's input that wgrad needs (the columnwise X):
+    ``"never"`` saves the FP8 copy, quantized in the forward as TE does by default;
     ``"always"`` saves the original and re-quantizes in the backward (TE's
     ``save_original_input``); ``"auto"`` lets the partitioner pick whichever saves fewer bytes
-    (the original wins when it is saved anyway or its producer is recomputed)."""
+    (the original wins when it is saved anyway or its producer is recomputed). A weight's copy is
+    always re-quantized from the resident parameter."""
 
     save_original_modules: tuple[str, ...] = ()
     """Module-path patterns of linears that always save their original input, whatever
@@ -72,6 +73,7 @@ class Config:
     ``recompute_num_layers`` layers; ``"block"`` the first ``recompute_num_layers`` layers."""
 
     recompute_num_layers: int = 1
+    """Layers per checkpointed chunk (``uniform``) or checkpointed layers (``block``)."""
 
     recompute_include: tuple[str, ...] = ("*",)
     """Module-path patterns narrowing where ``recompute`` applies (e.g. ``("layers.[0-3].*",)``)."""

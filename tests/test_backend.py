@@ -154,3 +154,17 @@ def test_compile_caches_never_serve_another_configs_partition(tmp_path):
     assert partitions("report") == 1  # cold cache
     assert partitions("report") == 0  # same config, same graphpass: served from the cache
     assert partitions("no-report") == 1  # another config must partition again
+
+
+def test_dropout_under_eager_codegen_and_plan():
+    """Inductor's random-op joint pass needs its virtualized fake mode outside compile_fx too."""
+    import dataclasses
+
+    from examples import gpt
+
+    model, (x,) = gpt.build("tiny")
+    model = type(model)(dataclasses.replace(model.config, dropout=0.1))
+    x = x.detach().requires_grad_()
+    torch.compile(model, backend=graphpass.backend(codegen="eager"))(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert graphpass.plan(model, x).activation_bytes == graphpass.last_report().activation_bytes

@@ -241,3 +241,19 @@ def test_offload_stream_settings():
     with _compat.min_cut_settings(relaxed=False, offload=True, offload_stream=False):
         assert not functorch_config.activation_offload_separate_stream
     assert not functorch_config.enable_activation_offloading
+
+
+def test_recomputed_attention_counts_its_flops():
+    """core_attn recomputes SDPA under its saved RNG state; its FLOPs (4*b*h*s*s*d forward, by
+    torch's formula, also for the CPU kernel plan() traces) count toward the recompute."""
+    report = _plan(llama, dict(recompute=("core_attn",)), layers=1, seq=64)
+    b, h, s, d = 2, 4, 64, 64
+    assert report.meta["recompute_flops"] >= 4 * b * h * s * s * d
+    assert "recomputed: aten::_scaled_dot_product_flash_attention_for_cpu under its saved RNG state in backward: layers.0.self_attn" in report.notes
+
+
+def test_save_original_notes_name_inputs_only():
+    never = _plan(llama, dict(fp8="tensorwise", **UNOPTIMISED), layers=1, seq=64)
+    assert not [n for n in never.notes if n.startswith("save original")]
+    auto = _plan(llama, dict(fp8="tensorwise"), layers=1, seq=64)
+    assert "save original: layers.0.self_attn.o_proj re-quantizes its saved input in the backward" in auto.notes

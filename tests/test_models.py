@@ -72,3 +72,11 @@ def test_plan_real_llama_layer_is_fast_and_small():
     # A bf16 Llama-3-8B layer at sequence 8192 saves about a GiB; 4 GiB would mean a seq x seq
     # attention matrix (math-path SDPA), which no real device saves.
     assert 0.5 * 2**30 < result["activation_bytes"] < 2 * 2**30
+
+
+def test_plan_many_times_one_model():
+    """Every plan() compiles a new fake copy of the same code: no recompile limit may stop it."""
+    model, inputs = llama.build("tiny", layers=1)
+    sizes = {graphpass.plan(model, *inputs, config=graphpass.Config(recompute_budget=0.5 + i / 100)).activation_bytes
+             for i in range(10)}
+    assert len(sizes) == 1 and sizes.pop() > 0

@@ -97,7 +97,7 @@ def te_available() -> bool:
 def choose(kernels: str, recipe: str, device: torch.device) -> Provider:
     """The provider for ``Config(kernels=...)``: ``auto`` prefers TE, then scaled_mm on CUDA."""
     if kernels == "auto":
-        if device.type == "cuda" and te_available():
+        if device.type == "cuda" and te_available() and get("te").supports(recipe, device) is None:
             return get("te")
         if device.type == "cuda" and get("scaled_mm").supports(recipe, device) is None:
             return get("scaled_mm")

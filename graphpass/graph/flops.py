@@ -9,13 +9,31 @@ from torch.utils.flop_counter import flop_registry
 from .._compat import size_hint
 
 
+aten = torch.ops.aten
+# torch has formulas for the CUDA flash/efficient attention ops; the CPU flash op (what
+# graphpass.plan traces on fake CPU tensors) takes the same leading arguments.
+_ALIASES = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        aten._scaled_dot_product_flash_attention_backward,
+}
+
+
 def node_flops(node: fx.Node) -> int:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function":
         return 0
-    formula = flop_registry.get(node.target.overloadpacket)
+    target, args = node.target, node.args
+    if isinstance(target, torch._ops.HigherOrderOperator) and "rng_state" in target.name():
+        # run_with_rng_state(rng_state, op, *args): the op recomputed under a saved RNG state
+        target, args = next(((a, args[i + 1:]) for i, a in enumerate(args)
+                             if isinstance(a, torch._ops.OpOverload)), (None, ()))
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    packet = target.overloadpacket
+    formula = flop_registry.get(_ALIASES.get(packet, packet))
     val = node.meta.get("val")
     if formula is not None:
-        args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+        args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
         kwargs = {k: (v.meta.get("val") if isinstance(v, fx.Node) else v) for k, v in node.kwargs.items()}
         try:
             return size_hint(formula(*args, **kwargs, out_val=val))

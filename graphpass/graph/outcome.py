@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .flops import node_flops
@@ -25,12 +26,22 @@ def outcome_notes(fw: fx.GraphModule, bw: fx.GraphModule, *,
     requantized: list[str] = []
     flops = 0
     for node in bw.graph.nodes:
+        if op_name(node) == "higher_order.run_with_rng_state":
+            # an op torch treats as random (attention), rebuilt by the partitioner without our
+            # metadata: name it by its op and by the module of the tensors it reads
+            op = next(a for a in node.args if isinstance(a, torch._ops.OpOverload))
+            module = next((module_path(a) for a in node.args[2:] if isinstance(a, fx.Node)), "")
+            recomputed.setdefault(f"recomputed: {op.name()} under its saved RNG state", set()).add(
+                module or "(top level)")
+            flops += node_flops(node)
+            continue
         if node.op != "call_function" or node.meta.get("partitioner_tag") not in (
                 "is_forward", "must_be_in_backward"):
             continue
         fp8 = node.meta.get("graphpass_fp8")
-        if fp8 and op_name(node) == "graphpass.quantize" and fp8.get("columnwise"):
-            requantized.append(module_path(node))
+        if fp8 and op_name(node) == "graphpass.quantize" and fp8.get("columnwise") and (
+                fp8.get("role") == "input"):
+            requantized.append(module_path(node) or "<root>")
         if node.meta.get("partitioner_tag") == "is_forward":
             flops += node_flops(node)
             reason = node.meta.get("graphpass_recompute", "recomputed: partitioner's choice")

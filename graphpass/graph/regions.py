@@ -55,6 +55,11 @@ def _is_norm(stack: list[tuple[str, type]]) -> bool:
                for path, cls in stack)
 
 
+def _is_layer_itself(path: str) -> bool:
+    """``layers.3`` itself (its residual adds), not a module inside it."""
+    return bool(path) and layer_of(path) == path
+
+
 def _under(path: str, prefixes: Iterable[str]) -> bool:
     return any(path == p or path.startswith(p + ".") for p in prefixes)
 
@@ -92,7 +97,7 @@ class Regions:
             q for q in quant_inputs if op_name(q) in ELEMENTWISE}
         return {n for n in down & up
                 if not _under(module_path(n), self.attention_modules)
-                and not _is_norm(module_stack(n)) and layer_of(module_path(n)) != module_path(n)}
+                and not _is_norm(module_stack(n)) and not _is_layer_itself(module_path(n))}
 
     def select(self, word: str) -> set[fx.Node]:
         """The forward nodes ``recompute=(word,)`` recomputes."""
