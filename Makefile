@@ -7,6 +7,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; an unpinned torch would pull several GB of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 MODEL ?= llama
+FP8 ?= tensorwise
 
 .PHONY: demo test bench setup clean
 
@@ -20,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m graphpass report --model $(MODEL) --size real
+	$(PY) -m graphpass report --model $(MODEL) --size real --fp8 $(FP8)
 
 test: setup
 	$(PY) -m pytest -q
