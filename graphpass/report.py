@@ -41,8 +41,29 @@ class Row:
         return self.kind != "parameter" and not self.offloaded
 
 
+class SavedTotals:
+    """Byte totals over saved values (report rows or snapshot entries), each with ``bytes``,
+    ``kind``, ``offloaded`` and ``is_activation``."""
+
+    def _saved(self) -> Iterable[Any]:
+        raise NotImplementedError
+
+    @property
+    def activation_bytes(self) -> int:
+        """Saved bytes excluding parameters and offloaded values, counted once per storage."""
+        return sum(r.bytes for r in self._saved() if r.is_activation)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(r.bytes for r in self._saved() if r.kind == "parameter")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(r.bytes for r in self._saved() if r.offloaded)
+
+
 @dataclass
-class Report:
+class Report(SavedTotals):
     """What one partitioned graph (or several, merged) saves for backward."""
 
     rows: list[Row] = field(default_factory=list)
@@ -50,18 +71,8 @@ class Report:
     graphs: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def activation_bytes(self) -> int:
-        """Saved bytes excluding parameters, counted once per storage."""
-        return sum(r.bytes for r in self.rows if r.is_activation)
-
-    @property
-    def parameter_bytes(self) -> int:
-        return sum(r.bytes for r in self.rows if r.kind == "parameter")
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return sum(r.bytes for r in self.rows if r.offloaded)
+    def _saved(self) -> list[Row]:
+        return self.rows
 
     def bytes_by(self, key: str) -> dict[str, int]:
         """Activation bytes grouped by a row attribute (``kind``, ``dtype``, ``module``...)."""

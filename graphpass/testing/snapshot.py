@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Union
 
 from ..graph.nodes import layer_of
-from ..report import Report, Row
+from ..report import Report, Row, SavedTotals
 
 MAGIC = "# graphpass saved-tensor snapshot"
 HEADER = f"{MAGIC} v1 (regenerate: pytest --graphpass-update)"
@@ -76,7 +76,7 @@ class Entry:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Snapshot(SavedTotals):
     """The stable, comparable form of a :class:`~graphpass.Report`."""
 
     entries: tuple[Entry, ...]
@@ -115,17 +115,8 @@ class Snapshot:
             return cls.from_report(Report.from_dict(json.loads(text)))
         return cls.parse(text)
 
-    @property
-    def activation_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries if e.is_activation)
-
-    @property
-    def parameter_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries if e.kind == "parameter")
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries if e.offloaded)
+    def _saved(self) -> tuple[Entry, ...]:
+        return self.entries
 
     def bytes_by(self, key: str) -> dict[str, int]:
         """Activation bytes grouped by ``kind``, ``dtype``, ``module`` or ``layer``."""
