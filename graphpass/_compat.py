@@ -13,7 +13,6 @@ import torch
 import torch.fx as fx
 
 TORCH_VERSION_STR = torch.__version__.split("+")[0]
-TORCH_VERSION = tuple(int(p) for p in TORCH_VERSION_STR.split(".")[:2])
 
 
 def size_hint(expr: Any, fallback: int = 4096) -> int:

@@ -36,15 +36,6 @@ class Linear:
     dgrad: fx.Node | None = None
     wgrad: fx.Node | None = None
 
-    @property
-    def grad(self) -> fx.Node | None:
-        """The 2-D output gradient dY read by dgrad (and, transposed, by wgrad)."""
-        if self.dgrad is not None:
-            return self.dgrad.args[0]
-        if self.wgrad is not None:
-            return _untranspose(self.wgrad.args[0])[0]
-        return None
-
 
 def _untranspose(node: fx.Node) -> tuple[fx.Node, bool]:
     """Strip 2-D transposes: (base, whether an odd number of them was stripped)."""

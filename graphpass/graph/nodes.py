@@ -11,6 +11,12 @@ _MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]|\._(?:modules|parame
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 _PRIVATE_DICTS = re.compile(r"\._(?:modules|parameters|buffers)\.")
+# Ops whose result aliases their input's storage (torch offloads and counts only the base).
+VIEWS = frozenset({
+    "aten.view", "aten.reshape", "aten._unsafe_view", "aten.permute", "aten.t", "aten.transpose",
+    "aten.expand", "aten.slice", "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.alias",
+    "aten.as_strided", "aten.split", "aten.unbind", "aten.diagonal",
+})
 _LAYER = re.compile(r"(?:^|\.)(layers|h|blocks|layer)\.(\d+)(?=\.|$)")
 
 

@@ -26,10 +26,9 @@ import torch.fx as fx
 from ..config import Config
 from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
 from ..graph.linears import Linear, find_linears
-from ..graph.nodes import module_path, op_name
+from ..graph.nodes import VIEWS, module_path, op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-_VIEWS = ("aten.view", "aten.permute", "aten.expand", "aten.reshape", "aten._unsafe_view")
 _QUANTIZE = torch.ops.graphpass.quantize.default
 _GEMM = torch.ops.graphpass.fp8_gemm.default
 
@@ -66,7 +65,7 @@ def grouped_gemm_modules(joint: fx.GraphModule) -> list[str]:
         if op_name(node) != "aten.bmm" or node.meta.get("partitioner_tag") == "is_backward":
             continue
         weight = node.args[1]
-        while weight.op == "call_function" and op_name(weight) in _VIEWS:
+        while weight.op == "call_function" and op_name(weight) in VIEWS:
             weight = weight.args[0]
         if weight.op == "placeholder" and weight.meta["val"].dim() == 3:
             modules.append(module_path(node))

@@ -15,12 +15,9 @@ import torch.fx as fx
 
 from .._compat import size_hint
 from ..config import Config
-from ..graph.nodes import is_backward, module_path, op_name
+from ..graph.nodes import VIEWS, is_backward, module_path, op_name
 from ..report import format_bytes
 
-_VIEWS = ("aten.view", "aten.permute", "aten.t", "aten.expand", "aten.slice", "aten.select",
-          "aten.transpose", "aten.unsqueeze", "aten.squeeze", "aten._unsafe_view", "aten.alias",
-          "aten.as_strided", "aten.split", "aten.unbind", "aten.diagonal")
 
 
 def offload(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
@@ -55,7 +52,7 @@ def why_not_offloaded(node: fx.Node, config: Config, *, is_parameter: bool) -> s
             return f"opted out by {pattern!r}"
     if node.op == "placeholder":
         return "graph input: torch offloads only intermediates"
-    if op in _VIEWS:
+    if op in VIEWS:
         return "view: torch offloads base tensors only"
     if op == "getitem":
         return "result of a multi-output op: torch's offloader skips getitem"
