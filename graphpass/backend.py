@@ -58,15 +58,21 @@ class Backend:
                 return compile_fx(
                     gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner}
                 )
-            return eager_compile(gm, example_inputs, self.partitioner)
+            return eager_compile(gm, example_inputs, self.partitioner, runs=True)
 
 
-def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):
+def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner,
+                  *, runs: bool):
     """AOTAutograd with Inductor's decompositions and joint-graph passes, but no code generation.
 
     The joint graph our partition sees is then the same as under Inductor, so reports agree
     between code generations and with ``graphpass.plan``. Inductor's uniform-value constant
     folding is off: on meta tensors (``plan``) it would fold every op into ``empty_strided``.
+
+    One exception when the graphs will run (``runs``, not ``plan``): random ops keep torch's
+    eager RNG (Inductor's ``fallback_random``). Inductor replaces dropout by per-graph seeds and
+    a seeded ``inductor_random`` that only its generated kernels honour; run as-is, that op
+    ignores its seed, so a mask recomputed in the backward would differ from the forward's.
     """
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -76,7 +82,8 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner
     def run_as_is(graph: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
         return make_boxed_func(graph.forward)
 
-    with inductor_config.patch(custom_partitioner_fn=partitioner, joint_graph_constant_folding=False):
+    with inductor_config.patch(custom_partitioner_fn=partitioner, joint_graph_constant_folding=False,
+                               fallback_random=runs):
         return aot_autograd(
             fw_compiler=run_as_is,
             bw_compiler=run_as_is,

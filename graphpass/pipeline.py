@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 from typing import Any, Callable, Iterator, Sequence
 
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
 from .config import Config
-from .graph.flops import node_flops
-from .graph.saved import saved_rows
+from .graph.flops import step_flops
+from .graph.nodes import module_path, op_name
 from .graph.outcome import outcome_notes
+from .graph.saved import saved_rows
 from .passes.lower_fp8 import lower_fp8
 from .passes.offload import offload
 from .passes.plan_memory import plan_memory
-from .passes.recompute import recompute
+from .passes.recompute import random_recomputes, recompute, tag
 from .passes.save_original import save_original
-from .report import Report
+from .report import Report, Row
 
 # Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and logs the
 # decisions a user should see; listed in the order they run.
@@ -49,7 +52,8 @@ def partition(
     """A ``partition_fn`` for ``aot_function``/``aot_module`` and any joint fw+bw graph.
 
     Runs graphpass's passes on the joint graph, partitions it with torch's min-cut
-    rematerialization partitioner, records the saved-tensor report (``graphpass.last_report()``)
+    rematerialization partitioner (a second time, keeping the cheaper plan, where the user's
+    recompute selection includes random ops such as attention or dropout), records the saved-tensor report (``graphpass.last_report()``)
     and returns the forward and backward modules in torch's layout.
     """
     config = config or Config()
@@ -61,32 +65,81 @@ def partition(
     log: list[str] = []
     for graph_pass in PASSES:
         graph_pass(joint_module, config, log)
-    step_flops = sum(node_flops(n) for n in joint_module.graph.nodes)
+    steps = step_flops(joint_module)
     on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in primals)
-    with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
-                                  offload_stream=config.offload_stream and on_cuda):
-        fw, bw = _compat.min_cut_partition(
-            joint_module,
-            joint_inputs,
-            compiler=compiler,
-            num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_indices=static,
-        )
+    static_names = {primals[i].name for i in static if i < len(primals)}
+
+    def min_cut(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
+        with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
+                                      offload_stream=config.offload_stream and on_cuda):
+            return _compat.min_cut_partition(
+                joint,
+                joint_inputs,
+                compiler=compiler,
+                num_fwd_outputs=num_fwd_outputs,
+                static_lifetime_input_indices=static,
+            )
+
+    def rows_of(fw: fx.GraphModule, bw: fx.GraphModule, sources: dict[str, str]) -> list[Row]:
+        return saved_rows(fw, bw, num_fwd_outputs=num_fwd_outputs,
+                          static_input_names=static_names, input_sources=sources)
+
+    fw, bw = _min_cut_weighing_random_recomputes(
+        joint_module, min_cut, lambda fw, bw: rows_of(fw, bw, {}), log)
     if config.report:
         sources = list(_input_sources.get())
         named = dict(zip((p.name for p in primals), sources)) if len(sources) == len(primals) else {}
-        rows = saved_rows(
-            fw,
-            bw,
-            num_fwd_outputs=num_fwd_outputs,
-            static_input_names={primals[i].name for i in static if i < len(primals)},
-            input_sources={k: v for k, v in named.items() if v},
-        )
+        rows = rows_of(fw, bw, {k: v for k, v in named.items() if v})
         notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
         report = Report(rows=rows, notes=log + notes, meta=_meta(config))
-        report.meta.update(step_flops=step_flops, recompute_flops=recompute_flops)
+        report.meta.update(step_flops=steps, recompute_flops=recompute_flops)
         _record(report)
     return fw, bw
+
+
+def _min_cut_weighing_random_recomputes(
+    joint: fx.GraphModule,
+    min_cut: Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]],
+    rows_of: Callable[[fx.GraphModule, fx.GraphModule], list[Row]],
+    log: list[str],
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's min-cut; where the user's selection recomputes random ops, the cheaper plan.
+
+    torch recomputes a random op under an RNG state it saves for it (on CPU a 5 KB generator
+    state), which can outweigh the outputs the recompute discards. Then the plan that keeps
+    those ops' outputs saved is kept instead: never more bytes than without the selection.
+    """
+    random = random_recomputes(joint)
+    if not random:
+        return min_cut(joint)
+    keeping = _keeping_saved(joint, random)  # copy first: torch's partitioner edits its graph
+    recomputing, kept = min_cut(joint), min_cut(keeping)
+    recomputing_rows, kept_rows = rows_of(*recomputing), rows_of(*kept)
+    more = sum(r.bytes for r in recomputing_rows if r.is_activation) - sum(
+        r.bytes for r in kept_rows if r.is_activation)
+    if more <= 0:
+        return recomputing
+    rng = sum(r.bytes for r in recomputing_rows if r.kind == "rng_state")
+    ops = sorted({f"{op_name(n)} in {module_path(n) or '(top level)'}" for n in random})
+    log.append(f"recompute: kept saved, not recomputed: {', '.join(ops)}; recomputing would save "
+               f"their RNG state ({rng:,} B) and {more:,} B more in all")
+    return kept
+
+
+def _keeping_saved(joint: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
+    """A copy of the joint graph (metadata copied per node) with ``nodes`` kept saved."""
+    graph = fx.Graph()
+    graph._codegen = joint.graph._codegen
+    graph.output(graph.graph_copy(joint.graph, {}))
+    # a multi-output op is saved through its getitems (torch saves tensors, not tuples)
+    names = {n.name for n in nodes} | {u.name for n in nodes for u in n.users
+                                        if u.target is operator.getitem}
+    for node in graph.nodes:
+        if node.name in names:
+            tag(node, CheckpointPolicy.MUST_SAVE, "saved: recomputing it would save more")
+    copy = fx.GraphModule(joint, graph)
+    copy.meta.update(joint.meta)
+    return copy
 
 
 def last_report() -> Report | None:

@@ -34,7 +34,7 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
 
     def planning_backend(gm: torch.fx.GraphModule, inputs: Any):
         with input_sources([_compat.placeholder_source(n) for n in gm.graph.find_nodes(op="placeholder")]):
-            return eager_compile(gm, inputs, partitioner)
+            return eager_compile(gm, inputs, partitioner, runs=False)
 
     compiled = torch.compile(fake_module, backend=planning_backend, dynamic=False)
     with collect_reports() as reports, mode, _compat.unlimited_recompiles():

@@ -19,6 +19,11 @@ _ALIASES = {
 }
 
 
+def step_flops(gm: fx.GraphModule) -> int:
+    """FLOPs of one training step: every node of the joint forward+backward graph."""
+    return sum(node_flops(n) for n in gm.graph.nodes)
+
+
 def node_flops(node: fx.Node) -> int:
     if node.op != "call_function":
         return 0

@@ -82,6 +82,12 @@ def is_backward(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") == "is_backward"
 
 
+def is_random(node: fx.Node) -> bool:
+    """An op torch treats as random (``nondeterministic_seeded``): dropout, rand, Inductor's
+    seeds, attention. Recomputing one draws new numbers unless torch replays its RNG state."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 def tensor_val(node: fx.Node) -> torch.Tensor | None:
     val = node.meta.get("val")
     return val if isinstance(val, torch.Tensor) else None

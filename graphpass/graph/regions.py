@@ -55,11 +55,6 @@ def _is_norm(stack: list[tuple[str, type]]) -> bool:
                for path, cls in stack)
 
 
-def _is_layer_itself(path: str) -> bool:
-    """``layers.3`` itself (its residual adds), not a module inside it."""
-    return bool(path) and layer_of(path) == path
-
-
 def _under(path: str, prefixes: Iterable[str]) -> bool:
     return any(path == p or path.startswith(p + ".") for p in prefixes)
 
@@ -88,16 +83,20 @@ class Regions:
                         todo.append(nxt)
             return seen
 
+        # Upwards, a norm ends the chain: what reaches a GEMM only through a norm (the residual
+        # stream) is not an activation.
+        def inputs(n: fx.Node) -> list[fx.Node]:
+            return [] if _is_norm(module_stack(n)) else list(n.all_input_nodes)
+
         gemms = [n for n in self.nodes if is_gemm(n)]
         down = chain(gemms, lambda n: n.users)
-        up = chain(gemms, lambda n: [a for a in n.all_input_nodes])
+        up = chain(gemms, inputs)
         # Quantizes sit between an activation and the next GEMM; treat them as transparent.
         quant_inputs = [n.args[0] for n in self.nodes if op_name(n) == QUANTIZE]
-        up |= chain(quant_inputs, lambda n: [a for a in n.all_input_nodes]) | {
-            q for q in quant_inputs if op_name(q) in ELEMENTWISE}
+        up |= chain(quant_inputs, inputs) | {q for q in quant_inputs if op_name(q) in ELEMENTWISE}
         return {n for n in down & up
                 if not _under(module_path(n), self.attention_modules)
-                and not _is_norm(module_stack(n)) and not _is_layer_itself(module_path(n))}
+                and not _is_norm(module_stack(n))}
 
     def select(self, word: str) -> set[fx.Node]:
         """The forward nodes ``recompute=(word,)`` recomputes."""

@@ -15,7 +15,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import Config
-from ..graph.flops import node_flops
+from ..graph.flops import node_flops, step_flops
+from ..graph.nodes import is_random
 from ..graph.regions import forward_calls, is_expensive
 from .recompute import tag
 
@@ -27,13 +28,13 @@ def plan_memory(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
     for node in forward_calls(joint):
         if "recompute" in node.meta:  # the user's selection, or a boundary: keep it
             continue
-        if is_expensive(node):
+        if is_expensive(node) or is_random(node):
             tag(node, CheckpointPolicy.MUST_SAVE)
         else:
             candidates.append(node)
     if config.recompute_budget is None:
         return
-    step = sum(node_flops(n) for n in joint.graph.nodes)
+    step = step_flops(joint)
     budget = config.recompute_budget * step
     cost = {n: node_flops(n) for n in candidates}
     total = sum(cost.values())

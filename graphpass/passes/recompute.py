@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import Config
-from ..graph.nodes import is_backward, layer_of, module_path
+from ..graph.nodes import is_backward, is_random, layer_of, module_path
 from ..graph.regions import Regions
 
 
@@ -36,6 +36,14 @@ def recompute(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         count = len(modules.get(word, ()))
         log.append(f"recompute {word}: {count} module(s)" + ("" if count else
                    " — nothing in this graph matched"))
+
+
+def random_recomputes(joint: fx.GraphModule) -> list[fx.Node]:
+    """Selected nodes whose op torch treats as random (``nondeterministic_seeded``: dropout, and
+    attention even without it). torch recomputes them under an RNG state it saves for each, on
+    CPU a 5 KB generator state, which can outweigh the outputs they discard."""
+    return [n for n in joint.graph.nodes
+            if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE and is_random(n)]
 
 
 def tag(node: fx.Node, policy: CheckpointPolicy, reason: str = "") -> None:
