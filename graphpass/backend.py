@@ -55,10 +55,21 @@ class Backend:
             if self.config.codegen == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(
-                    gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner}
-                )
+                return compile_fx(gm, example_inputs, config_patches=self._inductor_patches())
             return eager_compile(gm, example_inputs, self.partitioner, runs=True)
+
+    def _inductor_patches(self) -> dict[str, Any]:
+        """Inductor settings for one compile: our partitioner, and the quantize inlining."""
+        from torch._inductor import config as inductor_config
+
+        from .fp8.inductor import INLINED_RECIPES, post_grad_pass
+
+        patches: dict[str, Any] = {"custom_partitioner_fn": self.partitioner}
+        if self.config.fuse_quantize and self.config.fp8 in INLINED_RECIPES:
+            patches["post_grad_custom_pre_pass"] = post_grad_pass(
+                _source_hash(), inductor_config.post_grad_custom_pre_pass)
+            patches["emulate_precision_casts"] = True
+        return patches
 
 
 def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner,

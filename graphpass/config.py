@@ -49,6 +49,12 @@ class Config:
     """Module-path patterns (fnmatch) of linears kept in high precision: the output head and MoE
     routers by default, as Megatron and torchtitan do."""
 
+    fuse_quantize: bool = True
+    """With ``codegen="inductor"`` and ``fp8="tensorwise"``: after the partition, inline each
+    quantize's recipe so Inductor fuses its amax, scale and cast with the neighbouring ops (and
+    rounds as eager does, so the FP8 bits are unchanged). ``False`` keeps each quantize one
+    opaque op."""
+
     fp8_min_gemm_flops: int = 0
     """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
 
@@ -120,6 +126,7 @@ class Config:
                 f"fp8={self.fp8!r}"
             )
         _type("report", self.report, bool)
+        _type("fuse_quantize", self.fuse_quantize, bool)
         for name in ("fp8_exclude", "save_original_modules", "recompute", "recompute_include",
                      "offload_exclude"):
             _patterns(self, name)

@@ -205,3 +205,64 @@ def test_providers_agree_on_gpu():
     for k in kinds[1:]:
         for got, ref in zip(outs[k][:2], outs["reference"][:2]):
             assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-2, k
+
+
+# --- Inductor code generation of quantize -------------------------------------------------------
+
+def _inductor_step(model, inputs, **cfg):
+    """Outputs, gradients and generated code of one compiled bf16 step with Inductor."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model.zero_grad()
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    compiled = torch.compile(model, backend=graphpass.backend(codegen="inductor", **cfg))
+
+    def step():
+        out = compiled(*xs)
+        out.float().pow(2).mean().backward()
+        return out.detach()
+
+    out, code = run_and_get_code(step)
+    return [out, xs[0].grad, *(p.grad.clone() for p in model.parameters())], "\n".join(code)
+
+
+def test_inlined_quantize_is_bit_identical_to_the_op():
+    """With Inductor, tensorwise quantizes are inlined after the partition and fused: the
+    generated code calls no graphpass.quantize, and outputs and gradients of a bf16 Llama layer
+    are bit-identical to the opaque op's. Inlining sets Inductor's emulate_precision_casts (fused
+    bf16 values rounded as eager rounds them), so the opaque run gets it too: without it, the
+    other fused bf16 ops of the layer round differently and nothing would be comparable."""
+    from torch._inductor import config as inductor_config
+
+    model, inputs = llama.build("tiny", layers=1, seq=64)
+    model, inputs = model.to(torch.bfloat16), [x.to(torch.bfloat16) for x in inputs]
+    with inductor_config.patch(emulate_precision_casts=True):
+        opaque, opaque_code = _inductor_step(model, inputs, fp8="tensorwise", fuse_quantize=False)
+    fused, fused_code = _inductor_step(model, inputs, fp8="tensorwise")
+    assert "graphpass.quantize" in opaque_code and "graphpass.quantize" not in fused_code
+    assert "graphpass.fp8_gemm" in fused_code
+    assert all(torch.equal(a, b) for a, b in zip(fused, opaque))
+
+
+def test_inlining_keeps_the_users_post_grad_pass_and_skips_block_recipes():
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class Count(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(sum(n.target is torch.ops.graphpass.quantize.default for n in graph.nodes))
+
+        def uuid(self):
+            return "count-quantizes"
+
+    model, inputs = llama.build("tiny", layers=1, seq=64)
+    with inductor_config.patch(post_grad_custom_pre_pass=Count()):
+        _, code = _inductor_step(model, inputs, fp8="tensorwise")
+        assert len(seen) == 2 and all(seen)  # forward and backward, before the inlining
+        assert "graphpass.quantize" not in code
+        _, code = _inductor_step(model, inputs, fp8="blockwise")
+        assert "graphpass.quantize" in code  # block recipes stay one op (reference provider)
+    assert len(seen) == 4

@@ -1,0 +1,79 @@
+"""Inductor code generation for ``graphpass::quantize``: the recipe inlined after the partition.
+
+The partition needs each quantize as one op: its 1-byte outputs are values the min-cut can save,
+recompute or offload. Once the forward and backward graphs are fixed, an opaque op only costs:
+Inductor runs it as an extern call on materialized inputs (an amax pass, a scale, a cast, each
+its own kernel). Inlining the recipe's arithmetic into the partitioned graphs (a post-grad pass,
+before Inductor's own pattern passes) lets Inductor fuse the amax reduction, the scale and the
+saturating cast, and the transpose of a columnwise copy, with the ops around them, as it does
+for torchao's float8.
+
+Only the tensorwise recipe is inlined: it is the one the TE and ``torch._scaled_mm`` GEMMs take.
+Block recipes run on the reference provider (an emulation) and stay one op.
+
+Exactness: in a fused kernel Inductor keeps bf16 intermediates in fp32 unless
+``emulate_precision_casts`` is set, so a fused quantize would see an unrounded input and give
+other FP8 bits than the op (and than a re-quantize of the saved original in the backward). The
+backend sets it whenever it inlines, so the bits stay the op's
+(``tests/test_fp8_lowering.py::test_inlined_quantize_is_bit_identical_to_the_op``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import ops
+
+INLINED_RECIPES = ("tensorwise",)
+
+
+@functools.lru_cache(maxsize=1)
+def _patterns() -> Any:
+    """The pattern pass, built on first use (importing Inductor's pattern matcher is slow)."""
+    from torch._inductor.pattern_matcher import (CallFunction, KeywordArg, PatternMatcherPass,
+                                                 register_graph_pattern)
+
+    patterns = PatternMatcherPass(pass_name="graphpass_inline_quantize")
+
+    @register_graph_pattern(
+        CallFunction(torch.ops.graphpass.quantize.default, KeywordArg("x"), KeywordArg("recipe"),
+                     KeywordArg("role"), KeywordArg("usage")),
+        extra_check=lambda match: match.kwargs["recipe"] in INLINED_RECIPES,
+        pass_dict=patterns,
+    )
+    def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
+        match.replace_by_example(lambda x: ops._quantize(x, recipe, role, usage), [x])
+
+    return patterns
+
+
+def inline_quantizes(graph: fx.Graph) -> int:
+    """Replace every tensorwise ``graphpass::quantize`` in ``graph`` by its recipe's ops."""
+    return _patterns().apply(graph)
+
+
+def post_grad_pass(source_hash: str, user_pass: Any) -> Any:
+    """An Inductor ``post_grad_custom_pre_pass`` that inlines quantizes after ``user_pass`` (the
+    one already configured, if any: a pass or a list of them, kept and run first)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    user_passes = [] if user_pass is None else (
+        list(user_pass) if isinstance(user_pass, (list, tuple)) else [user_pass])
+
+    class InlineQuantize(CustomGraphPass):  # type: ignore[misc]
+        def __call__(self, graph: fx.Graph) -> None:
+            for p in user_passes:
+                p(graph)
+            inline_quantizes(graph)
+
+        def uuid(self) -> str:
+            parts = [source_hash] + [str(p.uuid()) if hasattr(p, "uuid") else repr(p)
+                                     for p in user_passes]
+            return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+    return InlineQuantize()
