@@ -212,8 +212,11 @@ def _decisions(row: Row) -> list[str]:
 def _require(report: Report | None) -> Report:
     __tracebackhide__ = True
     if report is None:
-        raise AssertionError("no report: nothing was partitioned by graphpass in this process yet "
-                             "(compile with graphpass.backend() and run backward, or use graphpass.plan)")
+        raise AssertionError(
+            "no report: nothing was partitioned by graphpass in this process yet (compile with "
+            "graphpass.backend() and run backward, or use graphpass.plan). A compile served from "
+            "torch's compile cache skips the partitioner: use graphpass.plan, codegen='eager', or "
+            "torch._functorch.config.enable_autograd_cache = False")
     return report
 
 
