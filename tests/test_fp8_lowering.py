@@ -227,7 +227,12 @@ def _inductor_step(model, inputs, **cfg):
     return [out, xs[0].grad, *(p.grad.clone() for p in model.parameters())], "\n".join(code)
 
 
-def test_inlined_quantize_is_bit_identical_to_the_op():
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_inlined_quantize_is_bit_identical_to_the_op(device):
     """With Inductor, tensorwise quantizes are inlined after the partition and fused: the
     generated code calls no graphpass.quantize, and outputs and gradients of a bf16 Llama layer
     are bit-identical to the opaque op's. Inlining sets Inductor's emulate_precision_casts (fused
@@ -235,8 +240,7 @@ def test_inlined_quantize_is_bit_identical_to_the_op():
     other fused bf16 ops of the layer round differently and nothing would be comparable."""
     from torch._inductor import config as inductor_config
 
-    model, inputs = llama.build("tiny", layers=1, seq=64)
-    model, inputs = model.to(torch.bfloat16), [x.to(torch.bfloat16) for x in inputs]
+    model, inputs = llama.build("tiny", layers=1, seq=64, device=device, dtype=torch.bfloat16)
     with inductor_config.patch(emulate_precision_casts=True):
         opaque, opaque_code = _inductor_step(model, inputs, fp8="tensorwise", fuse_quantize=False)
     fused, fused_code = _inductor_step(model, inputs, fp8="tensorwise")
