@@ -53,8 +53,9 @@ def partition(
 
     Runs graphpass's passes on the joint graph, partitions it with torch's min-cut
     rematerialization partitioner (a second time, keeping the cheaper plan, where the user's
-    recompute selection includes random ops such as attention or dropout), records the saved-tensor report (``graphpass.last_report()``)
-    and returns the forward and backward modules in torch's layout.
+    recompute selection includes random ops such as attention or dropout), records the
+    saved-tensor report (``graphpass.last_report()``) and returns the forward and backward
+    modules in torch's layout.
     """
     config = config or Config()
     static = list(static_lifetime_input_indices or [])
@@ -85,7 +86,7 @@ def partition(
                           static_input_names=static_names, input_sources=sources)
 
     fw, bw = _min_cut_weighing_random_recomputes(
-        joint_module, min_cut, lambda fw, bw: rows_of(fw, bw, {}), log)
+        joint_module, min_cut, lambda fw, bw: Report(rows=rows_of(fw, bw, {})), log)
     if config.report:
         sources = list(_input_sources.get())
         named = dict(zip((p.name for p in primals), sources)) if len(sources) == len(primals) else {}
@@ -100,26 +101,25 @@ def partition(
 def _min_cut_weighing_random_recomputes(
     joint: fx.GraphModule,
     min_cut: Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]],
-    rows_of: Callable[[fx.GraphModule, fx.GraphModule], list[Row]],
+    saved: Callable[[fx.GraphModule, fx.GraphModule], Report],
     log: list[str],
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """torch's min-cut; where the user's selection recomputes random ops, the cheaper plan.
 
     torch recomputes a random op under an RNG state it saves for it (on CPU a 5 KB generator
     state), which can outweigh the outputs the recompute discards. Then the plan that keeps
-    those ops' outputs saved is kept instead: never more bytes than without the selection.
+    those ops' outputs saved is used instead, so recomputing them never costs bytes.
     """
     random = random_recomputes(joint)
     if not random:
         return min_cut(joint)
     keeping = _keeping_saved(joint, random)  # copy first: torch's partitioner edits its graph
     recomputing, kept = min_cut(joint), min_cut(keeping)
-    recomputing_rows, kept_rows = rows_of(*recomputing), rows_of(*kept)
-    more = sum(r.bytes for r in recomputing_rows if r.is_activation) - sum(
-        r.bytes for r in kept_rows if r.is_activation)
+    recomputing_saved = saved(*recomputing)
+    more = recomputing_saved.activation_bytes - saved(*kept).activation_bytes
     if more <= 0:
         return recomputing
-    rng = sum(r.bytes for r in recomputing_rows if r.kind == "rng_state")
+    rng = recomputing_saved.bytes_by("kind").get("rng_state", 0)
     ops = sorted({f"{op_name(n)} in {module_path(n) or '(top level)'}" for n in random})
     log.append(f"recompute: kept saved, not recomputed: {', '.join(ops)}; recomputing would save "
                f"their RNG state ({rng:,} B) and {more:,} B more in all")

@@ -224,14 +224,21 @@ class _Stack(nn.Module):
         return x
 
 
-def _grads_and_report(model, x, cfg, codegen="eager"):
-    """Gradients (input first) and report of one compiled step; dropout draws from seed 1."""
-    torch._dynamo.reset()
+def _step_grads(model, x, forward):
+    """Gradients (input first) of one step of ``forward`` (``model``, or a compiled ``model``);
+    dropout draws from seed 1."""
     model.zero_grad()
     torch.manual_seed(1)
     xx = x.clone().requires_grad_()
-    torch.compile(model, backend=graphpass.backend(codegen=codegen, **cfg))(xx).pow(2).mean().backward()
-    return [xx.grad, *(p.grad.clone() for p in model.parameters())], graphpass.last_report()
+    forward(xx).pow(2).mean().backward()
+    return [xx.grad, *(p.grad.clone() for p in model.parameters())]
+
+
+def _grads_and_report(model, x, cfg, codegen="eager"):
+    """Gradients and report of one step compiled by graphpass."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=graphpass.backend(codegen=codegen, **cfg))
+    return _step_grads(model, x, compiled), graphpass.last_report()
 
 
 # CI runs a fixed set of examples (the "ci" profile in conftest.py); elsewhere each run draws anew.
@@ -353,7 +360,7 @@ def test_dropout_masks_are_never_redrawn_in_the_backward(codegen):
     torch.manual_seed(0)
     model = _Stack(64, ["drop", "drop"])
     x = torch.randn(2, 16, 64)
-    eager = _eager_grads(model, x)
+    eager = _step_grads(model, x, model)
     base, _ = _grads_and_report(model, x, UNOPTIMISED, codegen)
     for cfg in (dict(memory="auto"), dict(recompute=("full",)),
                 dict(recompute=("full",), memory="default")):
@@ -362,11 +369,3 @@ def test_dropout_masks_are_never_redrawn_in_the_backward(codegen):
     if codegen == "eager":
         for a, b in zip(base, eager):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-def _eager_grads(model, x):
-    model.zero_grad()
-    torch.manual_seed(1)
-    xx = x.clone().requires_grad_()
-    model(xx).pow(2).mean().backward()
-    return [xx.grad, *(p.grad.clone() for p in model.parameters())]
