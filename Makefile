@@ -1,11 +1,25 @@
 # Two commands set up everything on a machine that has only Python 3.10+:
 #   make demo   create .venv, install graphpass and its dependencies, run the main job
 #   make test   same set-up, then the whole test suite
+# Other torch versions each get their own virtualenv: `make test TORCH=2.11.0` uses .venv-2.11.0,
+# `make test TORCH=2.14.1` uses .venv-2.14.1 (.ci/run runs all of TORCH_VERSIONS).
 PYTHON ?= python3
-VENV   := .venv
+TORCH_VERSIONS := 2.11.0 2.13.0 2.14.1
+TORCH ?= 2.13.0
+ifeq ($(filter $(TORCH),$(TORCH_VERSIONS)),)
+$(error TORCH=$(TORCH) is not a tested version; use one of: $(TORCH_VERSIONS))
+endif
+# The default version lives in .venv, the README's one environment; 2.13.0 is a CPU wheel.
+# 2.11.0 and 2.14.1 come from PyPI as CUDA builds (several GB), which run on a CPU-only machine.
+# Never an unpinned torch: it would pull whatever is newest, untested.
+ifeq ($(TORCH),2.13.0)
+VENV := .venv
+else
+VENV := .venv-$(TORCH)
+endif
 PY     := $(VENV)/bin/python
-# The CPU build of torch; an unpinned torch would pull several GB of CUDA packages.
-TORCH_PIN ?= torch==2.13.0
+# Workers for the suite: pytest-xdist's -n (auto: one per CPU core); PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= auto
 MODEL ?= llama
 FP8 ?= tensorwise
 
@@ -16,7 +30,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$(TORCH)')" 2>/dev/null \
+		|| $(PY) -m pip install -q "torch==$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
@@ -24,10 +39,10 @@ demo: setup
 	$(PY) -m graphpass report --model $(MODEL) --size real --fp8 $(FP8)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 bench: setup
 	$(PY) benchmarks/memory.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf .venv $(addprefix .venv-,$(TORCH_VERSIONS)) build *.egg-info

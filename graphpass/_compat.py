@@ -1,4 +1,6 @@
-"""The torch internals graphpass touches, in one place, for torch 2.11 through 2.13.
+"""The torch internals graphpass touches, in one place, for torch 2.11 through 2.14.1.
+
+Tested on 2.11.0, 2.13.0 and 2.14.1 (``make test TORCH=...``, all three in CI).
 
 Everything version-specific lives here and is called with keyword arguments, so that a
 signature change upstream fails loudly in one module instead of silently elsewhere.
@@ -7,23 +9,117 @@ signature change upstream fails loudly in one module instead of silently elsewhe
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+import contextvars
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
 
 TORCH_VERSION_STR = torch.__version__.split("+")[0]
+TORCH_VERSION = tuple(int(p) for p in TORCH_VERSION_STR.split(".")[:2])
+
+# The size assumed for an unbacked symbol (a data-dependent size: nonzero, .item()).
+UNBACKED_SIZE_HINT = 4096
+# What size_hint assumed while recording: {symbol: [where, ...]} (see ``assumed_sizes``).
+_assumed: contextvars.ContextVar[dict[str, list[str]] | None] = contextvars.ContextVar(
+    "graphpass_assumed_sizes", default=None)
 
 
-def size_hint(expr: Any, fallback: int = 4096) -> int:
-    """A concrete int for a possibly symbolic size (2.12 renamed the hint helpers)."""
+def size_hint(expr: Any, fallback: int = UNBACKED_SIZE_HINT, *, where: str = "") -> int:
+    """A concrete int for a possibly symbolic size (2.12 renamed the hint helpers).
+
+    A backed symbol has a hint (the example input's size); an unbacked one has none and counts as
+    ``fallback``: inside ``assumed_sizes()`` that assumption is recorded with ``where`` it was made.
+    """
     if isinstance(expr, int):
         return expr
     from torch.fx.experimental import symbolic_shapes as ss
 
+    unbacked = ss.free_unbacked_symbols(expr)
+    assumed = _assumed.get()
+    if unbacked and assumed is not None:
+        for sym in sorted(unbacked, key=str):
+            places = assumed.setdefault(str(sym), [])
+            if where not in places:
+                places.append(where)
     if hasattr(ss, "optimization_hint"):  # torch >= 2.12
         return int(ss.optimization_hint(expr, fallback=fallback))
     return int(ss.size_hint(expr, fallback=fallback))  # torch 2.11
+
+
+@contextlib.contextmanager
+def assumed_sizes() -> Iterator[dict[str, list[str]]]:
+    """Record the unbacked symbols ``size_hint`` gave its fallback for: ``{"u0": [where, ...]}``."""
+    token = _assumed.set({})
+    try:
+        yield _assumed.get()
+    finally:
+        _assumed.reset(token)
+
+
+def _sdpa_flops_know_gqa() -> bool:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    try:
+        sdpa_flop_count((1, 2, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1))
+    except AssertionError:  # torch 2.11: key/value heads must equal the query's
+        return False
+    return True
+
+
+def flop_formula(packet: Any) -> Callable[..., int] | None:
+    """torch's FLOP formula for an op (``torch.utils.flop_counter``), or None.
+
+    torch 2.11's attention formulas reject grouped-query attention (key/value with fewer heads
+    than the query, what ``enable_gqa`` and the CPU flash kernel take); later versions count it as
+    the kernel runs it, with key/value broadcast to the query's heads. On 2.11 the formula gets
+    those broadcast shapes.
+    """
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(packet)
+    if formula is None or packet not in _SDPA_QUERY_ARG or _sdpa_flops_know_gqa():
+        return formula
+    q_at = _SDPA_QUERY_ARG[packet]
+
+    def broadcast_heads(*args: Any, **kwargs: Any) -> int:
+        args = list(args)
+        heads = args[q_at].shape[1]
+        for i in (q_at + 1, q_at + 2):  # key, value
+            shape = args[i].shape
+            args[i] = torch.Size((shape[0], heads, *shape[2:]))
+        return formula(*args, **kwargs)
+
+    return broadcast_heads
+
+
+_aten = torch.ops.aten
+# Where the query is in the SDPA ops' arguments (key and value follow it).
+_SDPA_QUERY_ARG = {
+    **{op: 0 for op in (_aten._scaled_dot_product_flash_attention,
+                        _aten._scaled_dot_product_efficient_attention,
+                        _aten._scaled_dot_product_cudnn_attention)},
+    **{op: 1 for op in (_aten._scaled_dot_product_flash_attention_backward,
+                        _aten._scaled_dot_product_efficient_attention_backward,
+                        _aten._scaled_dot_product_cudnn_attention_backward)},
+}
+
+
+def inductor_rounds_fused_casts(*, device_types: Iterable[str]) -> bool:
+    """Whether Inductor's generated code for all of ``device_types`` rounds fused bf16/fp16
+    intermediates as eager does under ``emulate_precision_casts``, which fused FP8 quantizes need
+    for the recipe's bits: Triton (CUDA) in every supported torch, the C++ backend (CPU) from 2.13
+    (2.11's ``codegen/cpp.py`` ignores the setting; 2.12 is not tested)."""
+    return "cpu" not in set(device_types) or TORCH_VERSION >= (2, 13)
+
+
+def assumed_size_notes(assumed: dict[str, list[str]]) -> list[str]:
+    """Report notes for ``assumed_sizes()``: each symbol, the size assumed, where (first three)."""
+    def places(p: list[str]) -> str:
+        return ", ".join(p[:3]) + (f" and {len(p) - 3} more" if len(p) > 3 else "")
+
+    return [f"sizes: unbacked {sym} assumed {UNBACKED_SIZE_HINT} in {places(p)}"
+            for sym, p in assumed.items()]
 
 
 def min_cut_partition(

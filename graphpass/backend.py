@@ -55,17 +55,21 @@ class Backend:
             if self.config.codegen == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(gm, example_inputs, config_patches=self._inductor_patches())
+                return compile_fx(gm, example_inputs,
+                                  config_patches=self._inductor_patches(example_inputs))
             return eager_compile(gm, example_inputs, self.partitioner, runs=True)
 
-    def _inductor_patches(self) -> dict[str, Any]:
-        """Inductor settings for one compile: our partitioner, and the quantize inlining."""
+    def _inductor_patches(self, example_inputs: Sequence[Any]) -> dict[str, Any]:
+        """Inductor settings for one compile: our partitioner, and the quantize inlining where
+        Inductor keeps its bits exact on every device of the graph (the pipeline notes when not)."""
         from torch._inductor import config as inductor_config
 
         from .fp8.inductor import INLINED_RECIPES, post_grad_pass
 
         patches: dict[str, Any] = {"custom_partitioner_fn": self.partitioner}
-        if self.config.fuse_quantize and self.config.fp8 in INLINED_RECIPES:
+        exact = _compat.inductor_rounds_fused_casts(
+            device_types=[x.device.type for x in example_inputs if isinstance(x, torch.Tensor)])
+        if self.config.fuse_quantize and self.config.fp8 in INLINED_RECIPES and exact:
             patches["post_grad_custom_pre_pass"] = post_grad_pass(
                 _source_hash(), inductor_config.post_grad_custom_pre_pass)
             patches["emulate_precision_casts"] = True

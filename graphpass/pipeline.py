@@ -10,6 +10,7 @@ import contextvars
 import operator
 from typing import Any, Callable, Iterator, Sequence
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -57,6 +58,22 @@ def partition(
     saved-tensor report (``graphpass.last_report()``) and returns the forward and backward
     modules in torch's layout.
     """
+    with _compat.assumed_sizes() as assumed:  # unbacked sizes that got a hint: a report note
+        return _partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                          static_lifetime_input_indices=static_lifetime_input_indices,
+                          config=config, compiler=compiler, assumed=assumed)
+
+
+def _partition(
+    joint_module: fx.GraphModule,
+    joint_inputs: Sequence[Any],
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+    config: Config | None = None,
+    compiler: str = "inductor",
+    assumed: dict[str, list[str]],
+) -> tuple[fx.GraphModule, fx.GraphModule]:
     config = config or Config()
     static = list(static_lifetime_input_indices or [])
     primals = [n for n in joint_module.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
@@ -66,7 +83,8 @@ def partition(
     log: list[str] = []
     for graph_pass in PASSES:
         graph_pass(joint_module, config, log)
-    steps = step_flops(joint_module)
+    estimated: dict[str, str] = {}
+    steps = step_flops(joint_module, estimated)
     on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in primals)
     static_names = {primals[i].name for i in static if i < len(primals)}
 
@@ -87,12 +105,21 @@ def partition(
 
     fw, bw = _min_cut_weighing_random_recomputes(
         joint_module, min_cut, lambda fw, bw: Report(rows=rows_of(fw, bw, {})), log)
+    log += [f"flops: estimated as one per element for {op} ({why})" for op, why in estimated.items()]
+    if (config.codegen == "inductor" and config.fuse_quantize and config.fp8 == "tensorwise"
+            and not _compat.inductor_rounds_fused_casts(device_types=[
+                p.meta["val"].device.type for p in primals
+                if isinstance(p.meta.get("val"), torch.Tensor)])):
+        log.append(f"fuse_quantize: off: torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does "
+                   "not round fused bf16 values as eager does, so fused quantizes would not give "
+                   "the recipe's FP8 bits; each quantize runs as one op (torch >= 2.13 fuses them)")
     if config.report:
         sources = list(_input_sources.get())
         named = dict(zip((p.name for p in primals), sources)) if len(sources) == len(primals) else {}
         rows = rows_of(fw, bw, {k: v for k, v in named.items() if v})
         notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
-        report = Report(rows=rows, notes=log + notes, meta=_meta(config))
+        report = Report(rows=rows, notes=log + notes + _compat.assumed_size_notes(assumed),
+                        meta=_meta(config))
         report.meta.update(step_flops=steps, recompute_flops=recompute_flops)
         _record(report)
     return fw, bw

@@ -322,6 +322,47 @@ def test_recomputed_attention_counts_its_flops():
     assert "recomputed: aten::_scaled_dot_product_flash_attention_for_cpu under its saved RNG state in backward: layers.0.self_attn" in report.notes
 
 
+def test_a_flop_formula_that_fails_is_a_note(monkeypatch):
+    """An op whose torch FLOP formula cannot read its shapes is counted one per element, and the
+    report names it (the formula is made to fail here as one fails on shapes it rejects)."""
+    from torch.utils.flop_counter import flop_registry
+
+    def rejects(*args, **kwargs):
+        raise AssertionError("shapes are incompatible")
+
+    assert not [n for n in _plan(llama, {}, layers=1, seq=16).notes if n.startswith("flops:")]
+    monkeypatch.setitem(flop_registry, torch.ops.aten.mm, rejects)
+    report = _plan(llama, dict(recompute=("core_attn",)), layers=1, seq=16)
+    assert ("flops: estimated as one per element for aten.mm (its FLOP formula failed: "
+            "AssertionError: shapes are incompatible)") in report.notes
+
+
+def test_an_unbacked_size_is_a_note():
+    """A data-dependent size (nonzero's row count) has no hint: graphpass assumes 4096 for it and
+    the report says where."""
+    import torch._dynamo.config as dynamo_config
+
+    class Selected(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            rows = x[torch.nonzero(x[:, 0] > 0)[:, 0]]  # (u0, 8)
+            return self.proj(rows).sum()
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with dynamo_config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(Selected(), backend=graphpass.backend(codegen="eager"))
+        compiled(torch.randn(16, 8, requires_grad=True)).backward()
+    notes = graphpass.last_report().notes
+    # one note per symbol, naming the first three places the size was assumed
+    assert [n for n in notes if n.startswith("sizes: ")] == [
+        "sizes: unbacked u0 assumed 4096 in offload's size of nonzero, offload's size of "
+        "select_1, offload's size of index and 11 more"]
+
+
 def test_save_original_notes_name_inputs_only():
     never = _plan(llama, dict(fp8="tensorwise", **UNOPTIMISED), layers=1, seq=64)
     assert not [n for n in never.notes if n.startswith("save original")]

@@ -49,7 +49,8 @@ def saved_rows(
             )
             continue
         sid = storage_id(val)
-        nbytes = size_hint(val.untyped_storage().nbytes()) if sid is not None else 0
+        where = f"the saved-tensor row of {node.name}"
+        nbytes = size_hint(val.untyped_storage().nbytes(), where=where) if sid is not None else 0
         alias_of = first_of_storage.get(sid, "") if sid is not None else ""
         if sid is not None and not alias_of:
             first_of_storage[sid] = node.name
@@ -62,10 +63,10 @@ def saved_rows(
                 name=node.name,
                 op=op_name(producer(source)),
                 module=path,
-                shape=tuple(size_hint(s) for s in val.shape),
+                shape=tuple(size_hint(s, where=where) for s in val.shape),
                 dtype=str(val.dtype).removeprefix("torch."),
                 bytes=0 if alias_of else nbytes,
-                tensor_bytes=size_hint(val.numel()) * val.element_size(),
+                tensor_bytes=size_hint(val.numel(), where=where) * val.element_size(),
                 kind=kind,
                 consumers=consumers,
                 decision="offloaded to CPU, reloaded for the backward" if offloaded else decision,

@@ -43,7 +43,7 @@ def why_not_offloaded(node: fx.Node, config: Config, *, is_parameter: bool) -> s
         return "quantized weight"
     if node.meta.get("graphpass_kind") == "fp8_scale":
         return "FP8 scale"
-    nbytes = size_hint(val.numel()) * val.element_size()
+    nbytes = size_hint(val.numel(), where=f"offload's size of {node.name}") * val.element_size()
     if nbytes < config.offload_min_bytes:
         return f"{format_bytes(nbytes)} < offload_min_bytes"
     path, op = module_path(node), op_name(node)
