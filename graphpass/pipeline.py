@@ -19,6 +19,7 @@ from .graph.flops import step_flops
 from .graph.nodes import module_path, op_name
 from .graph.outcome import outcome_notes
 from .graph.saved import saved_rows
+from .passes.canonicalize import canonicalize
 from .passes.lower_fp8 import lower_fp8
 from .passes.offload import offload
 from .passes.plan_memory import plan_memory
@@ -29,7 +30,7 @@ from .report import Report, Row
 # Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and logs the
 # decisions a user should see; listed in the order they run.
 PASSES: tuple[Callable[[fx.GraphModule, Config, list[str]], None], ...] = (
-    lower_fp8, save_original, recompute, offload, plan_memory)
+    canonicalize, lower_fp8, save_original, recompute, offload, plan_memory)
 
 _last_report: Report | None = None
 _reports_sink: contextvars.ContextVar[list[Report] | None] = contextvars.ContextVar(

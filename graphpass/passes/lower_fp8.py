@@ -138,7 +138,10 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
 
 
 def _canonical(x: fx.Node) -> Any:
-    """Views of one tensor to one shape are one tensor (each linear may view its 3-D input)."""
+    """Views of one tensor to one shape are one tensor (each linear may view its 3-D input), and
+    an alias is its base (the canonicalize pass removes aliases; one kept as a graph output)."""
+    if op_name(x) == "aten.alias":
+        return _canonical(x.args[0])
     if op_name(x) in ("aten.view", "aten.reshape", "aten._unsafe_view"):
         return (_canonical(x.args[0]), tuple(x.args[1]))
     return x
