@@ -35,7 +35,11 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
         return partition(gm, joint_inputs, config=self.config, **kwargs)
 
     def uuid(self) -> str:
-        key = f"{_source_hash()}|{torch.__version__}|{sorted(self.config.as_dict().items())!r}"
+        from .fp8.providers import environment_key
+
+        # The kernel provider is baked into the graph: key on what `kernels` resolves to here.
+        env = environment_key(self.config.kernels, self.config.fp8)
+        key = f"{_source_hash()}|{torch.__version__}|{sorted(self.config.as_dict().items())!r}|{env}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 

@@ -44,9 +44,11 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
             continue
         device = lin.x.meta["val"].device
         try:
-            provider = providers.choose(config.kernels, config.fp8, device)
+            provider, why = providers.resolve(config.kernels, config.fp8, device)
         except ValueError as e:
             raise ValueError(f"graphpass fp8 lowering of {lin.module}: {e}") from None
+        if why and f"kernels: {why}" not in log:
+            log.append(f"kernels: {why}")
         _rewrite(joint, lin, config.fp8, provider.name, quantized)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
