@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
-from .config import Config
+from .config import Config, given
 from .graph.flops import step_flops
 from .graph.nodes import module_path, op_name
 from .graph.outcome import outcome_notes
@@ -58,7 +58,7 @@ def partition(
     saved-tensor report (``graphpass.last_report()``) and returns the forward and backward
     modules in torch's layout.
     """
-    config = config or Config()
+    config = given(config)
     static = list(static_lifetime_input_indices or [])
     primals = [n for n in joint_module.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
     for i in static:
@@ -73,7 +73,7 @@ def partition(
 
     def min_cut(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
         with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
-                                      offload_stream=config.offload_stream and on_cuda):
+                                      offload_stream=config.offload_on_stream and on_cuda):
             return _compat.min_cut_partition(
                 joint,
                 joint_inputs,

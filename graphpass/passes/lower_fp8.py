@@ -46,7 +46,7 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         try:
             provider, why = providers.resolve(config.kernels, config.fp8, device)
         except ValueError as e:
-            raise ValueError(f"graphpass fp8 lowering of {lin.module}: {e}") from None
+            raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
         if why and f"kernels: {why}" not in log:
             log.append(f"kernels: {why}")
         _rewrite(joint, lin, config.fp8, provider.name, quantized)
