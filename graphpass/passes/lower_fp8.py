@@ -164,5 +164,11 @@ def _call(graph: fx.Graph, target: Callable[..., Any], args: tuple, like: fx.Nod
     for key in ("nn_module_stack", "fwd_nn_module_stack", "seq_nr", "stack_trace"):
         if key in like.meta:
             node.meta[key] = like.meta[key]
+    # Inside a user's checkpoint region (torch.utils.checkpoint, SAC), the quantizes and FP8 GEMM
+    # that replace a GEMM keep the region's policy: the user's checkpoint still covers them.
+    if not backward:
+        for key in ("recompute", "ac_graph_id"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
     return node
 
