@@ -211,7 +211,8 @@ def _patterns(config: Config, name: str) -> None:
 
 def _combinations(config: Config) -> None:
     """Options that do nothing without another one: a ValueError naming the one to set (or the
-    one to drop), rather than a setting silently ignored."""
+    one to drop), rather than a setting silently ignored. ``fp8_exclude`` is exempt: it has a
+    non-empty default, and the CLI applies one exclusion list to FP8-off and FP8-on policies."""
     defaults = Config.__dataclass_fields__
     needs = [
         # (option set to a non-default value, is it in effect, what it needs)
@@ -221,7 +222,6 @@ def _combinations(config: Config) -> None:
         ("save_original", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
-        ("fp8_exclude", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
         ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),

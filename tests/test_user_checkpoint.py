@@ -118,3 +118,14 @@ def test_selective_checkpoint_policy_wins_with_notes():
     saved = sorted((r.module, r.shape, r.bytes) for r in report.rows if r.is_activation)
     assert saved == [("act", (16, 128), 8192), ("act", (16, 128), 8192),
                      ("input:x", (16, 64), 4096)]
+
+
+def test_full_recompute_inside_user_checkpoint_keeps_the_users_tags():
+    expected, _ = _step(_hf_llama, None)
+    got, reports = _step(_hf_llama, graphpass.backend(recompute=("full",)))
+    _assert_bit_identical(got, expected)
+    notes = reports[0].notes
+    assert any(n.startswith("recompute full: kept your checkpoint policy (PREFER_RECOMPUTE) over "
+                            "MUST_RECOMPUTE on ") for n in notes)
+    assert any(n.startswith("recompute full (layer-chunk boundaries): kept your checkpoint policy "
+                            "(PREFER_RECOMPUTE) over MUST_SAVE on ") for n in notes)

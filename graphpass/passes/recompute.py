@@ -22,8 +22,9 @@ def recompute(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         return
     regions = Regions(joint)
     selected: dict[fx.Node, str] = {}
+    boundaries_overruled: list[fx.Node] = []
     for word in config.recompute:
-        nodes = _full(regions, config) if word == "full" else regions.select(word)
+        nodes = _full(regions, config, boundaries_overruled) if word == "full" else regions.select(word)
         for node in nodes:
             if any(fnmatch.fnmatchcase(module_path(node), p) for p in config.recompute_include):
                 selected.setdefault(node, word)
@@ -41,6 +42,9 @@ def recompute(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         if word in overruled:
             log.append(conflict_note(f"recompute {word}", overruled[word],
                                      CheckpointPolicy.MUST_RECOMPUTE))
+    if boundaries_overruled:
+        log.append(conflict_note("recompute full (layer-chunk boundaries)", boundaries_overruled,
+                                 CheckpointPolicy.MUST_SAVE))
 
 
 def random_recomputes(joint: fx.GraphModule) -> list[fx.Node]:
@@ -79,7 +83,7 @@ def conflict_note(source: str, nodes: list[fx.Node], wanted: CheckpointPolicy) -
             f"{len(nodes)} node(s) in {', '.join(modules)}")
 
 
-def _full(regions: Regions, config: Config) -> set[fx.Node]:
+def _full(regions: Regions, config: Config, overruled: list[fx.Node]) -> set[fx.Node]:
     """Whole layers, chunked as Megatron's recompute_method; chunk outputs are saved."""
     layers = regions.layers()
     n = config.recompute_num_layers
@@ -95,7 +99,7 @@ def _full(regions: Regions, config: Config) -> set[fx.Node]:
             if read_outside:  # the next layer or the model output reads it: the checkpoint boundary
                 if not tag(node, CheckpointPolicy.MUST_SAVE,
                            "saved: layer-chunk boundary (full recompute)"):
-                    selected.add(node)  # reported with the word's other overruled nodes
+                    overruled.append(node)
             else:
                 selected.add(node)
     return selected
