@@ -211,15 +211,15 @@ def _patterns(config: Config, name: str) -> None:
 
 def _combinations(config: Config) -> None:
     """Options that do nothing without another one: a ValueError naming the one to set (or the
-    one to drop), rather than a setting silently ignored. ``fp8_exclude`` is exempt: it has a
-    non-empty default, and the CLI applies one exclusion list to FP8-off and FP8-on policies."""
+    one to drop), rather than a setting silently ignored. ``fp8_exclude`` and ``save_original``
+    are exempt: sweeps over ``fp8`` (None included) set them for every point, as the CLI's
+    policies and the project's own tests do."""
     defaults = Config.__dataclass_fields__
     needs = [
         # (option set to a non-default value, is it in effect, what it needs)
         ("offload_stream", config.offload_stream is None or config.offload, "offload=True"),
         ("offload_min_bytes", config.offload, "offload=True"),
         ("offload_exclude", config.offload, "offload=True"),
-        ("save_original", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
