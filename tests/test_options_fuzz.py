@@ -152,6 +152,9 @@ def test_every_valid_config_plans_a_model(options):
     if backend is None:
         return
     report = graphpass.plan(_mlp(), torch.randn(16, 32), config=backend.config)
+    if not backend.config.report:  # report=False records nothing: plan says so in a note
+        assert report.graphs == 0 and report.notes
+        return
     assert report.graphs == 1
     for word in backend.config.recompute:
         assert any(n.startswith(f"recompute {word}: ") for n in report.notes)
