@@ -220,3 +220,13 @@ def unlimited_recompiles() -> Iterator[None]:
                          "accumulated_cache_size_limit") if hasattr(dynamo_config, n)]
     with dynamo_config.patch({n: 10**9 for n in names}):
         yield
+
+
+def remove_noop_ops(graph: fx.Graph) -> bool:
+    """Inductor's joint-graph removal of no-op ``alias``/``clone``/same-shape views (never one that
+    would make a graph output alias an input); True if it removed any. Same call in 2.11-2.14."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops as remove
+
+    before = len(graph.nodes)
+    remove(graph)
+    return len(graph.nodes) != before

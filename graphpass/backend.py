@@ -35,19 +35,27 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
         return partition(gm, joint_inputs, config=self.config, **kwargs)
 
     def uuid(self) -> str:
-        key = f"{_source_hash()}|{torch.__version__}|{sorted(self.config.as_dict().items())!r}"
+        from .fp8.providers import environment_key
+
+        # The kernel provider is baked into the graph: key on what `kernels` resolves to here.
+        env = environment_key(self.config.kernels, self.config.fp8)
+        key = f"{_source_hash()}|{torch.__version__}|{sorted(self.config.as_dict().items())!r}|{env}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 
 class Backend:
     """A torch.compile backend; ``graphpass.backend(**options)`` makes one."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, options: dict[str, Any] | None = None) -> None:
         self.config = config
         self.partitioner = Partitioner(config)
+        # The options as the user wrote them: torch repeats this repr in every error that names
+        # the backend, where twenty default fields would bury the ones that matter.
+        self.options = dict(options) if options is not None else config.changed()
 
     def __repr__(self) -> str:
-        return f"graphpass.backend({self.config})"
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"graphpass.backend({args})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         sources = [_compat.placeholder_source(n) for n in gm.graph.find_nodes(op="placeholder")]
@@ -113,7 +121,7 @@ def backend(**options: Any) -> Backend:
     Options are the fields of :class:`graphpass.Config`; an unknown or invalid option raises a
     ValueError naming the valid ones.
     """
-    return Backend(Config.from_options(**options))
+    return Backend(Config.from_options(**options), options)
 
 
 def default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

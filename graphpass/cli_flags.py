@@ -68,7 +68,7 @@ def config_flags(
 def _typed(hint: Any) -> tuple[Callable[[str], Any], str | None] | None:
     """Converter and metavar for a field type, or None when the CLI has no syntax for it."""
     if hint is bool:
-        return _bool, None
+        return _bool, "true|false"
     if hint in (int, float):
         return _number(hint), hint.__name__.upper()
     if hint is str:

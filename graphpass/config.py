@@ -95,9 +95,10 @@ class Config:
     offload: bool = False
     """Offload eligible saved activations to CPU with torch's activation offloading."""
 
-    offload_stream: bool = True
-    """On CUDA, copy on a separate stream and prefetch reloads (torch's separate-stream mode);
-    off, or on CPU, the copies run synchronously on the default stream."""
+    offload_stream: bool | None = None
+    """With ``offload``, on CUDA: copy on a separate stream and prefetch reloads (torch's
+    separate-stream mode); ``False``, or on CPU, the copies run synchronously on the default
+    stream. ``None`` (unset) means on whenever ``offload`` is."""
 
     offload_min_bytes: int = 1 << 20
     """Saved tensors smaller than this are never offloaded."""
@@ -108,6 +109,10 @@ class Config:
     @property
     def memory_policy(self) -> str:
         return self.memory or ("auto" if self.fp8 else "default")
+
+    @property
+    def offload_on_stream(self) -> bool:
+        return self.offload and self.offload_stream is not False
 
     def __post_init__(self) -> None:
         if self.fp8 == "delayed":
@@ -138,11 +143,19 @@ class Config:
             raise ValueError(f"invalid graphpass option recompute_num_layers="
                              f"{self.recompute_num_layers}; expected a positive layer count")
         if self.recompute_budget is not None and not (
-                isinstance(self.recompute_budget, (int, float)) and self.recompute_budget >= 0):
+                isinstance(self.recompute_budget, (int, float))
+                and not isinstance(self.recompute_budget, bool)
+                and 0 <= self.recompute_budget < float("inf")):
             raise ValueError(f"invalid graphpass option recompute_budget={self.recompute_budget!r}; "
                              "expected a fraction of step FLOPs such as 0.01, or None for no limit")
         _type("offload", self.offload, bool)
-        _type("offload_stream", self.offload_stream, bool)
+        if self.offload_stream is not None:
+            _type("offload_stream", self.offload_stream, bool)
+        for name in ("fp8_min_gemm_flops", "offload_min_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"invalid graphpass option {name}={getattr(self, name)}; "
+                                 "expected a count of 0 or more")
+        _combinations(self)
 
     @classmethod
     def from_options(cls, **options: Any) -> "Config":
@@ -158,8 +171,23 @@ class Config:
     def replace(self, **options: Any) -> "Config":
         return Config.from_options(**{**self.as_dict(), **options})
 
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from their defaults."""
+        return {k: v for k, v in self.as_dict().items()
+                if v != Config.__dataclass_fields__[k].default}
+
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def given(config: Any) -> Config:
+    """A ``config=`` argument: a Config, or None for the defaults."""
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise ValueError(f"config={config!r} is not a graphpass.Config; write "
+                         "config=graphpass.Config(fp8='tensorwise', ...) (or leave it out)")
+    return config
 
 
 def _choice(name: str, value: Any, valid: tuple[Any, ...]) -> None:
@@ -176,12 +204,40 @@ def _patterns(config: Config, name: str) -> None:
     if isinstance(value, str):
         raise ValueError(f"invalid graphpass option {name}={value!r}; expected a tuple of strings: "
                          f"write {name}=({value!r},)")
-    if not all(isinstance(p, str) for p in value):
+    if not isinstance(value, (tuple, list)) or not all(isinstance(p, str) for p in value):
         raise ValueError(f"invalid graphpass option {name}={value!r}; expected a tuple of strings")
     object.__setattr__(config, name, tuple(value))
 
 
+def _combinations(config: Config) -> None:
+    """Options that do nothing without another one: a ValueError naming the one to set (or the
+    one to drop), rather than a setting silently ignored. ``fp8_exclude`` and ``save_original``
+    are exempt: sweeps over ``fp8`` (None included) set them for every point, as the CLI's
+    policies and the project's own tests do."""
+    defaults = Config.__dataclass_fields__
+    needs = [
+        # (option set to a non-default value, is it in effect, what it needs)
+        ("offload_stream", config.offload_stream is None or config.offload, "offload=True"),
+        ("offload_min_bytes", config.offload, "offload=True"),
+        ("offload_exclude", config.offload, "offload=True"),
+        ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
+        ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),
+        ("recompute_include", bool(config.recompute), "a recompute selection such as "
+                                                       "recompute=('core_attn',)"),
+    ]
+    for name, in_effect, needed in needs:
+        value = getattr(config, name)
+        if not in_effect and value != defaults[name].default:
+            raise ValueError(f"invalid graphpass options: {name}={value!r} has no effect without "
+                             f"{needed}; set that too, or leave {name} unset")
+
+
 def _type(name: str, value: Any, typ: type) -> None:
+    if typ is int and isinstance(value, bool):  # True is an int to Python, not a count
+        raise ValueError(f"invalid graphpass option {name}={value!r}; expected an int")
     if not isinstance(value, typ):
         raise ValueError(
             f"invalid graphpass option {name}={value!r}; expected a {typ.__name__}"

@@ -15,11 +15,12 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
-from .config import Config
+from .config import Config, given
 from .graph.flops import step_flops
 from .graph.nodes import module_path, op_name
 from .graph.outcome import outcome_notes
 from .graph.saved import saved_rows
+from .passes.canonicalize import canonicalize
 from .passes.lower_fp8 import lower_fp8
 from .passes.offload import offload
 from .passes.plan_memory import plan_memory
@@ -30,7 +31,7 @@ from .report import Report, Row
 # Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and logs the
 # decisions a user should see; listed in the order they run.
 PASSES: tuple[Callable[[fx.GraphModule, Config, list[str]], None], ...] = (
-    lower_fp8, save_original, recompute, offload, plan_memory)
+    canonicalize, lower_fp8, save_original, recompute, offload, plan_memory)
 
 _last_report: Report | None = None
 _reports_sink: contextvars.ContextVar[list[Report] | None] = contextvars.ContextVar(
@@ -74,7 +75,7 @@ def _partition(
     compiler: str = "inductor",
     assumed: dict[str, list[str]],
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    config = config or Config()
+    config = given(config)
     static = list(static_lifetime_input_indices or [])
     primals = [n for n in joint_module.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
     for i in static:
@@ -90,7 +91,7 @@ def _partition(
 
     def min_cut(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
         with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
-                                      offload_stream=config.offload_stream and on_cuda):
+                                      offload_stream=config.offload_on_stream and on_cuda):
             return _compat.min_cut_partition(
                 joint,
                 joint_inputs,

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .backend import Partitioner, eager_compile
-from .config import Config
+from .config import Config, given
 from .pipeline import collect_reports, input_sources
 from .report import Report
 from . import _compat
@@ -25,7 +25,11 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
     tensors: meta has no fused attention kernel, and its math-path attention would save a
     seq x seq matrix that no real device saves. Graph breaks give one report per graph, merged.
     """
-    config = config or Config()
+    config = given(config)
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"graphpass.plan takes an nn.Module, not {type(module).__name__}; wrap a "
+                         "function in a module, or trace it with graphpass.partition "
+                         "(docs/traced-graphs.md)")
     mode = FakeTensorMode()
     with mode:
         fake_module = _to_fake(module)

@@ -11,6 +11,9 @@ A provider computes ``dequant(a) @ dequant(b).T (+ bias)`` for operands quantize
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
@@ -87,29 +90,100 @@ def get(name: str) -> Provider:
 
 
 def te_available() -> bool:
+    return te_status().version is not None
+
+
+@dataclass(frozen=True)
+class TEStatus:
+    """Whether Transformer Engine imports here: its version, or why not."""
+
+    version: str | None
+    error: str = ""  # the import's exception, when TE is installed but does not import
+    installed: bool = False
+
+    def describe(self) -> str:
+        if self.version is not None:
+            return f"Transformer Engine {self.version}"
+        if self.installed:
+            return f"TE present but failed to import: {self.error}"
+        return "Transformer Engine not installed"
+
+
+@functools.lru_cache(maxsize=None)
+def te_status() -> TEStatus:
+    """Import ``transformer_engine.pytorch`` once. A broken install (a missing CUDA library, an
+    ABI mismatch with this torch) raises OSError or RuntimeError, not only ImportError; it is told
+    apart from an absent one so that ``auto``'s fallback says which it was."""
+    installed = importlib.util.find_spec("transformer_engine") is not None
     try:
+        import transformer_engine
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # TE raises OSError/RuntimeError, not only ImportError, without CUDA
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001  (any failure means: not usable here; say why)
+        return TEStatus(None, f"{type(e).__name__}: {e}", installed)
+    version = getattr(transformer_engine, "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version("transformer_engine")
+        except importlib.metadata.PackageNotFoundError:
+            version = "of unknown version"
+    return TEStatus(str(version), "", True)
 
 
 def choose(kernels: str, recipe: str, device: torch.device) -> Provider:
     """The provider for ``Config(kernels=...)``: ``auto`` prefers TE, then scaled_mm on CUDA."""
+    return resolve(kernels, recipe, device)[0]
+
+
+def resolve(kernels: str, recipe: str, device: torch.device) -> tuple[Provider, str]:
+    """The provider for ``Config(kernels=...)`` and, for ``auto``, which one and why (a report
+    note: no fallback is silent); ``""`` for a provider the user named."""
     if kernels == "auto":
-        if device.type == "cuda" and te_available() and get("te").supports(recipe, device) is None:
-            return get("te")
-        if device.type == "cuda" and get("scaled_mm").supports(recipe, device) is None:
-            return get("scaled_mm")
-        return get("reference")
+        te = te_status()
+        if device.type != "cuda":
+            return get("reference"), (
+                f"kernels='auto' chose reference on {device.type}: the te and scaled_mm FP8 GEMMs "
+                f"are used on CUDA only ({te.describe()})")
+        skipped = []
+        if te.version is None:
+            skipped.append(te.describe())
+        else:
+            reason = get("te").supports(recipe, device)
+            if reason is None:
+                return get("te"), f"kernels='auto' chose te ({te.describe()})"
+            skipped.append(f"te: {reason}")
+        reason = get("scaled_mm").supports(recipe, device)
+        if reason is None:
+            return get("scaled_mm"), f"kernels='auto' chose scaled_mm: {'; '.join(skipped)}"
+        skipped.append(f"scaled_mm: {reason}")
+        return get("reference"), f"kernels='auto' chose reference: {'; '.join(skipped)}"
     if kernels == "te" and not te_available():
         raise ValueError(
-            "kernels='te' needs Transformer Engine: pip install 'graphpass[te]' on a CUDA machine, "
-            "or use kernels='auto', 'scaled_mm' or 'reference'"
+            f"kernels='te' needs Transformer Engine ({te_status().describe()}): pip install "
+            "'graphpass[te]' on a CUDA machine, or use kernels='auto', 'scaled_mm' or 'reference'"
         )
     provider = get(kernels)
     reason = provider.supports(recipe, device)
     if reason:
         raise ValueError(f"kernels={kernels!r} cannot run here: {reason}; use kernels='auto' or "
                          "'reference'")
-    return provider
+    return provider, ""
+
+
+def environment_key(kernels: str, recipe: str | None) -> str:
+    """What a lowered graph depends on beyond its config: the provider ``kernels`` resolves to on
+    this machine's devices, and TE's version. Part of the partitioner's cache key, so a cache
+    never serves a graph lowered for another provider."""
+    if recipe is None:
+        return ""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    parts = [te_status().describe()]
+    for device in devices:
+        if device.type == "cuda":
+            parts.append(f"capability {torch.cuda.get_device_capability(device)}")
+        try:
+            parts.append(f"{device.type}: {resolve(kernels, recipe, device)[0].name}")
+        except ValueError as e:  # the lowering raises it too; its message keys the outcome
+            parts.append(f"{device.type}: {e}")
+    return "; ".join(parts)

@@ -44,7 +44,8 @@ def outcome_notes(fw: fx.GraphModule, bw: fx.GraphModule, *,
             requantized.append(module_path(node) or "<root>")
         if node.meta.get("partitioner_tag") == "is_forward":
             flops += node_flops(node)
-            reason = node.meta.get("graphpass_recompute", "recomputed: partitioner's choice")
+            reason = node.meta.get("graphpass_recompute", "recomputed: your checkpoint"
+                                   if "ac_graph_id" in node.meta else "recomputed: partitioner's choice")
             if op_name(node) not in _BOOKKEEPING and not reason.startswith("saved"):
                 recomputed.setdefault(reason, set()).add(module_path(node) or "(top level)")
     notes = [f"save original: {m} re-quantizes its saved input in the backward"

@@ -44,9 +44,11 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
             continue
         device = lin.x.meta["val"].device
         try:
-            provider = providers.choose(config.kernels, config.fp8, device)
+            provider, why = providers.resolve(config.kernels, config.fp8, device)
         except ValueError as e:
-            raise ValueError(f"graphpass fp8 lowering of {lin.module}: {e}") from None
+            raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
+        if why and f"kernels: {why}" not in log:
+            log.append(f"kernels: {why}")
         _rewrite(joint, lin, config.fp8, provider.name, quantized)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
@@ -138,7 +140,10 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
 
 
 def _canonical(x: fx.Node) -> Any:
-    """Views of one tensor to one shape are one tensor (each linear may view its 3-D input)."""
+    """Views of one tensor to one shape are one tensor (each linear may view its 3-D input), and
+    an alias is its base (the canonicalize pass removes aliases; one kept as a graph output)."""
+    if op_name(x) == "aten.alias":
+        return _canonical(x.args[0])
     if op_name(x) in ("aten.view", "aten.reshape", "aten._unsafe_view"):
         return (_canonical(x.args[0]), tuple(x.args[1]))
     return x
@@ -159,5 +164,11 @@ def _call(graph: fx.Graph, target: Callable[..., Any], args: tuple, like: fx.Nod
     for key in ("nn_module_stack", "fwd_nn_module_stack", "seq_nr", "stack_trace"):
         if key in like.meta:
             node.meta[key] = like.meta[key]
+    # Inside a user's checkpoint region (torch.utils.checkpoint, SAC), the quantizes and FP8 GEMM
+    # that replace a GEMM keep the region's policy: the user's checkpoint still covers them.
+    if not backward:
+        for key in ("recompute", "ac_graph_id"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
     return node
 

@@ -18,20 +18,26 @@ from ..config import Config
 from ..graph.flops import node_flops, step_flops
 from ..graph.nodes import is_random
 from ..graph.regions import forward_calls, is_expensive
-from .recompute import tag
+from .recompute import conflict_note, tag, user_policy
 
 
 def plan_memory(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
     if config.memory_policy != "auto":
         return
     candidates = []
+    overruled = []
     for node in forward_calls(joint):
-        if "recompute" in node.meta:  # the user's selection, or a boundary: keep it
+        if "recompute" in node.meta:  # a recompute selection, a boundary or the user's checkpoint
+            if (user_policy(node) not in (None, CheckpointPolicy.MUST_SAVE)
+                    and (is_expensive(node) or is_random(node))):
+                overruled.append(node)
             continue
         if is_expensive(node) or is_random(node):
             tag(node, CheckpointPolicy.MUST_SAVE)
         else:
             candidates.append(node)
+    if overruled:
+        log.append(conflict_note("planner", overruled, CheckpointPolicy.MUST_SAVE))
     if config.recompute_budget is None:
         return
     step = step_flops(joint)

@@ -65,8 +65,10 @@ def _merge(graph: fx.Graph, row: fx.Node, col: fx.Node) -> None:
     x, recipe, role, _ = row.args
     with graph.inserting_before(row):
         both = graph.call_function(_QUANTIZE, (x, recipe, role, "both"))
-        both.meta = {**row.meta, "val": [*row.meta["val"], *col.meta["val"]],
-                     "recompute": CheckpointPolicy.MUST_SAVE}
+        both.meta = {**row.meta, "val": [*row.meta["val"], *col.meta["val"]]}
+        # saved in the forward, unless the user's checkpoint region recomputes it
+        if "ac_graph_id" not in row.meta:
+            both.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         outs = []
         for i in range(4):
             out = graph.call_function(operator.getitem, (both, i))
