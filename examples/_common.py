@@ -136,7 +136,7 @@ def _build(
     config = dataclasses.replace(
         sizes[size], **{k: v for k, v in overrides.items() if v is not None}
     )
-    real = size == "real"
+    real = not size.startswith("tiny")  # "real" and the other real-size variants ("70b")
     dtype = dtype or (torch.bfloat16 if real else torch.float32)
     device = torch.device(device or ("meta" if real else "cpu"))
 

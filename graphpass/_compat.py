@@ -124,3 +124,28 @@ def unlimited_recompiles() -> Iterator[None]:
                          "accumulated_cache_size_limit") if hasattr(dynamo_config, n)]
     with dynamo_config.patch({n: 10**9 for n in names}):
         yield
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (public under that path in 2.11 through 2.14.1);
+    False where torch was built without distributed."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """This rank's shard of a DTensor, without the autograd op ``to_local`` records (which
+    fake-tensor mode refuses on a real shard)."""
+    return t._local_tensor
+
+
+def dtensor_from_local(local: torch.Tensor, like: Any) -> Any:
+    """A DTensor over ``local`` with ``like``'s mesh, placements, global shape and stride; no
+    communication (``run_check=False``)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())

@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
+from .distributed import collective_notes
 from .config import Config
 from .graph.flops import step_flops
 from .graph.nodes import module_path, op_name
@@ -92,6 +93,14 @@ def partition(
         named = dict(zip((p.name for p in primals), sources)) if len(sources) == len(primals) else {}
         rows = rows_of(fw, bw, {k: v for k, v in named.items() if v})
         notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
+        notes += collective_notes(fw, bw)  # a tensor/sequence-parallel rank's communication
+        if any(not hasattr(p.meta.get("val"), "dtype") for p in primals):
+            # A DTensor graph: AOTAutograd flattens each DTensor input (and passes the process
+            # group as an opaque object), while static_lifetime_input_indices count the inputs
+            # before flattening, so they do not name this graph's parameters.
+            notes.append("input kinds: this graph's inputs include DTensors, whose flattening "
+                         "graphpass cannot map to torch's parameter indices; 'parameter' and "
+                         "'activation' labels of graph inputs (not of intermediates) may be wrong")
         report = Report(rows=rows, notes=log + notes, meta=_meta(config))
         report.meta.update(step_flops=steps, recompute_flops=recompute_flops)
         _record(report)

@@ -1,0 +1,95 @@
+"""Distributed training under graphpass (issue 14): per-rank planning of a tensor- and
+sequence-parallel layer at real size, on fake tensors with torch's fake process group."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import graphpass
+from examples import llama
+from graphpass.distributed import fake_process_group
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="needs torch.distributed")
+
+MiB = 2**20
+
+
+def test_llama3_70b_layer_at_tp8_plans_one_rank_by_hand_count():
+    """One rank of a Llama-3-70B layer, TP=8 with sequence parallelism, sequence 8192, FP8
+    tensorwise under graphpass's auto policy: every saved byte accounted for by hand."""
+    b, s, h, tp, heads, kv, d, ffn = 1, 8192, 8192, 8, 64, 8, 128, 28672
+    with fake_process_group(tp, rank=3):
+        block, inputs = llama.build_tp("70b", tp=tp)
+        report = graphpass.plan(block, *inputs, config=graphpass.Config(fp8="tensorwise"))
+    assert inputs[0].shape == (b, s // tp, h)  # this rank's sequence shard
+
+    bf16, fp8, f32 = 2, 1, 4
+    hand = {
+        # Sequence-parallel boundaries: the block's input (the first norm's input) and the
+        # attention branch's output after o_proj's reduce-scatter (the second norm's input),
+        # each this rank's s/tp rows of the residual stream.
+        ("", (b, s // tp, h), "bfloat16"): b * s // tp * h * bf16,
+        ("self_attn.o_proj", (b, s // tp, h), "bfloat16"): b * s // tp * h * bf16,
+        # The all-gathered, normed input of q/k/v (one quantize shared) and of gate/up, in FP8.
+        ("self_attn.q_proj", (b * s, h), "float8_e4m3fn"): b * s * h * fp8,
+        ("mlp.gate_proj", (b * s, h), "float8_e4m3fn"): b * s * h * fp8,
+        # FP8 weight shards the backward reads (k's head shard; gate, up, down's ffn/tp shards);
+        # q's and v's are re-quantized in the backward (the planner's choice, under 1% FLOPs).
+        ("self_attn.k_proj", (h, kv * d // tp), "float8_e4m3fn"): h * kv * d // tp * fp8,
+        ("mlp.gate_proj", (h, ffn // tp), "float8_e4m3fn"): h * ffn // tp * fp8,
+        ("mlp.up_proj", (h, ffn // tp), "float8_e4m3fn"): h * ffn // tp * fp8,
+        ("mlp.down_proj", (ffn // tp, h), "float8_e4m3fn"): ffn // tp * h * fp8,
+        # Attention on this rank's heads: q after RoPE, k after RoPE, v, the output, the
+        # logsumexp.
+        ("self_attn", (b, heads // tp, s, d), "bfloat16"): 2 * b * heads // tp * s * d * bf16,
+        ("self_attn", (b, kv // tp, s, d), "bfloat16"): 2 * b * kv // tp * s * d * bf16,
+        ("self_attn", (b, heads // tp, s), "float32"): b * heads // tp * s * f32,
+        # SwiGLU: gate and up outputs on this rank's ffn/tp columns.
+        ("mlp.gate_proj", (b * s, ffn // tp), "bfloat16"): b * s * ffn // tp * bf16,
+        ("mlp.up_proj", (b * s, ffn // tp), "bfloat16"): b * s * ffn // tp * bf16,
+    }
+    got: Counter = Counter()
+    scales = 0
+    for row in report.rows:
+        if row.kind == "fp8_scale":
+            scales += row.bytes
+            continue
+        if row.op == "input" and tuple(row.shape) != (b, s // tp, h):
+            continue  # weights, norm weights, RoPE tables: see the input-kinds note below
+        if row.bytes:
+            got[(row.module if row.op != "input" else "", tuple(row.shape), row.dtype)] += row.bytes
+    assert dict(got) == hand
+    assert scales == 6 * f32  # one per FP8 tensor saved: 2 inputs, 4 weights
+    assert sum(hand.values()) == 393 * MiB + 256 * 1024  # 180.25 MiB bf16/f32 + 213 MiB FP8
+
+    # The report names the collectives: per linear pair an all-gather of the sequence
+    # (s x h bf16 out) and a reduce-scatter back onto it (s/tp x h out), mirrored in backward.
+    gathered, scattered = 2 * b * s * h * bf16, 2 * b * s // tp * h * bf16
+    assert (f"collectives in the forward: all_gather_into_tensor x2 ({gathered // MiB}.00 MiB "
+            f"out), reduce_scatter_tensor x2 ({scattered // MiB}.00 MiB out)") in report.notes
+    assert any(n.startswith("collectives in the backward: all_gather_into_tensor x2")
+               for n in report.notes)
+    # Never silent: graph inputs' parameter/activation labels are not trusted under DTensor.
+    assert any(n.startswith("input kinds:") for n in report.notes)
+    for linear in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert f"lowered: self_attn.{linear} (reference/tensorwise)" in report.notes
+    for linear in ("gate_proj", "up_proj", "down_proj"):
+        assert f"lowered: mlp.{linear} (reference/tensorwise)" in report.notes
+
+
+def test_fake_process_group_refuses_a_second_default_group():
+    with fake_process_group(2):
+        with pytest.raises(RuntimeError, match="already exists"):
+            with fake_process_group(2):
+                pass
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("tp, message", [(3, r"must divide the sequence \(32\)"),
+                                         (16, r"must divide heads \(4\)")])
+def test_tp_degree_must_divide_sequence_and_heads(tp, message):
+    with fake_process_group(tp):
+        with pytest.raises(ValueError, match=message):
+            llama.build_tp("tiny", tp=tp)
