@@ -104,3 +104,25 @@ def test_tp_degree_must_divide_sequence_and_heads(tp, message):
     with fake_process_group(tp):
         with pytest.raises(ValueError, match=message):
             llama.build_tp("tiny", tp=tp)
+
+
+def test_cli_plans_one_rank_with_tp(capsys):
+    """`graphpass report --tp N` plans one rank on the fake process group, its bf16 comparison
+    too (the same rank, not the unsharded layer), and leaves no process group behind."""
+    from graphpass.cli import main
+
+    assert main(["report", "--model", "llama", "--tp", "2", "--fp8", "tensorwise",
+                 "--kernels", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "collectives in the forward: all_gather_into_tensor x2" in out
+    assert "llama tiny (one rank of TP=2): without FP8" in out
+    assert not torch.distributed.is_initialized()
+
+
+def test_cli_tp_refuses_layers_and_examples_without_a_plan(capsys):
+    from graphpass.cli import main
+
+    assert main(["report", "--model", "llama", "--tp", "2", "--layers", "2"]) != 0
+    assert "drop --layers" in capsys.readouterr().err
+    assert main(["report", "--model", "gpt", "--tp", "2"]) != 0
+    assert "no tensor-parallel plan" in capsys.readouterr().err
