@@ -149,3 +149,27 @@ def dtensor_from_local(local: torch.Tensor, like: Any) -> Any:
 
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
+
+
+def static_primal_positions(primals: list[fx.Node], static: list[int]) -> list[int]:
+    """Positions among the joint graph's primals of the inputs torch calls static (parameters,
+    buffers). ``static`` counts AOTAutograd's inputs before tensor subclasses are flattened:
+    from torch 2.13 a DTensor parameter becomes two primals (its ``_local_tensor`` and its
+    ``device_mesh``), so the positions shift. Each primal's input descriptor (``meta["desc"]``,
+    a ``SubclassGetAttrAOTInput`` over the ``PlainAOTInput(idx)`` it came from) names the input;
+    without subclass descriptors (torch 2.11, or no subclass input), the indices are positions
+    already."""
+    descs = [n.meta.get("desc") for n in primals]
+    if not all(descs) or not any(getattr(d, "base", None) is not None for d in descs):
+        return [i for i in static if i < len(primals)]  # nothing flattened: positions as given
+    wanted = set(static)
+    positions = []
+    for pos, desc in enumerate(descs):
+        while getattr(desc, "base", None) is not None:  # through subclass attributes
+            desc = desc.base
+        idx = getattr(desc, "idx", None)
+        if idx is not None and idx in wanted:
+            positions.append(pos)
+        elif idx is None and type(desc).__name__ in ("ParamAOTInput", "BufferAOTInput"):
+            positions.append(pos)
+    return positions

@@ -59,11 +59,11 @@ def partition(
     modules in torch's layout.
     """
     config = config or Config()
-    static = list(static_lifetime_input_indices or [])
     primals = [n for n in joint_module.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    # Positions among the primals: a DTensor parameter flattens into several (torch 2.13+).
+    static = _compat.static_primal_positions(primals, list(static_lifetime_input_indices or []))
     for i in static:
-        if i < len(primals):
-            primals[i].meta["graphpass_static"] = True
+        primals[i].meta["graphpass_static"] = True
     log: list[str] = []
     for graph_pass in PASSES:
         graph_pass(joint_module, config, log)
@@ -94,13 +94,6 @@ def partition(
         rows = rows_of(fw, bw, {k: v for k, v in named.items() if v})
         notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
         notes += collective_notes(fw, bw)  # a tensor/sequence-parallel rank's communication
-        if any(not hasattr(p.meta.get("val"), "dtype") for p in primals):
-            # A DTensor graph: AOTAutograd flattens each DTensor input (and passes the process
-            # group as an opaque object), while static_lifetime_input_indices count the inputs
-            # before flattening, so they do not name this graph's parameters.
-            notes.append("input kinds: this graph's inputs include DTensors, whose flattening "
-                         "graphpass cannot map to torch's parameter indices; 'parameter' and "
-                         "'activation' labels of graph inputs (not of intermediates) may be wrong")
         report = Report(rows=rows, notes=log + notes, meta=_meta(config))
         report.meta.update(step_flops=steps, recompute_flops=recompute_flops)
         _record(report)
