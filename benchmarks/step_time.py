@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -30,86 +26,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ lives 
 import graphpass  # noqa: E402
 from graphpass.fp8 import providers  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import WARMUP, Result, measure, reason  # noqa: E402
+
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 KERNELS = ("reference", "scaled_mm", "te")
-WARMUP = 3
 
 
-@dataclass
-class Result:
-    model: str
-    config: str
-    ms: float | None = None
-    peak_gib: float | None = None
-    note: str = ""
-
-
-def _reason(error: BaseException) -> str:
-    """The innermost error's first clause: dynamo wraps a backend's error (``inner_exception``,
-    not always ``__cause__``), and graphpass's messages go on after a ';' or ', or use' with
-    alternatives the table has no room for."""
-    while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:
-        error = inner
-    first = str(error).strip().splitlines()[0]
-    return first.split(";")[0].split(", or use")[0]
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    """Milliseconds one call takes: CUDA events around it on CUDA, wall clock on CPU."""
-    if device.type == "cuda":
-        def cuda_ms(fn: Callable[[], None]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        return cuda_ms
-
-    def cpu_ms(fn: Callable[[], None]) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    return cpu_ms
-
-
-def run_config(model_name: str, label: str, options: dict[str, object], size: str,
-               codegen: str, device: torch.device, steps: int) -> Result:
+def run_config(model_name: str, label: str, options: dict[str, object] | None, size: str,
+               codegen: str, device: torch.device, steps: int, *, layers: int = 1,
+               warmup: int = WARMUP) -> Result:
+    """One config's step: ``options`` are graphpass's, or None for torch.compile's default
+    (Inductor with torch's own partitioner, no graphpass), or ``{"torchao": True}`` for torchao
+    float8 training under torch.compile's default."""
     result = Result(model_name, label)
-    try:
-        backend = graphpass.backend(codegen=codegen, **options)
-    except ValueError as e:  # Config validation refuses e.g. scaled_mm with blockwise
-        result.note = f"skipped: {_reason(e)}"
-        return result
+    if options is None or options.get("torchao"):
+        backend = "inductor" if codegen == "inductor" else "aot_eager"
+    else:
+        try:
+            backend = graphpass.backend(codegen=codegen, **options)
+        except ValueError as e:  # Config validation refuses e.g. scaled_mm with blockwise
+            result.note = f"skipped: {reason(e)}"
+            return result
 
     # A fresh model per config: the peak then counts this config's weights, grads and step only.
     torch._dynamo.reset()
     build = importlib.import_module(f"examples.{model_name}").build
-    model, inputs = build(size, layers=1, device=device, dtype=torch.bfloat16)
+    model, inputs = build(size, layers=layers, device=device, dtype=torch.bfloat16)
+    if options and options.get("torchao"):
+        try:
+            from torchao.float8 import convert_to_float8_training
+        except ImportError as e:
+            result.note = f"skipped: torchao not importable ({e})"
+            return result
+        convert_to_float8_training(model)
     compiled = torch.compile(model, backend=backend)
-
-    def step() -> None:
-        # set_to_none: every step allocates its gradients, as a training step after zero_grad does
-        model.zero_grad(set_to_none=True)
-        for x in inputs:
-            x.grad = None
-        compiled(*inputs).float().pow(2).mean().backward()
-
-    timer = _timer(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    try:
-        for _ in range(WARMUP):  # the first step compiles
-            step()
-        result.ms = statistics.median(timer(step) for _ in range(steps))
-    except Exception as e:  # a provider refusing this device, an out-of-memory, a kernel error
-        result.note = f"failed: {_reason(e)}"
-        return result
-    if device.type == "cuda":
-        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-    return result
+    return measure(result, model, inputs, compiled, device, steps, warmup)
 
 
 def main() -> None:

@@ -109,7 +109,8 @@ def builder(model_cls: type[M], sizes: Mapping[str, Any]) -> Callable[..., tuple
     ) -> tuple[M, tuple[torch.Tensor, ...]]:
         """Model and example inputs: hidden states (batch, seq, hidden), or token ids for LM sizes.
 
-        ``tiny`` builds float32 on the CPU with deterministic weights from ``seed``; ``real``
+        ``tiny`` builds float32 on the CPU with deterministic weights from ``seed``; ``real`` (and
+        the other real-size variants, such as llama's ``70b``)
         builds bfloat16 on the meta device, allocating nothing of the model's size.
         """
         return _build(model_cls, sizes, size, layers=layers, batch=batch, seq=seq, dtype=dtype,
@@ -136,7 +137,7 @@ def _build(
     config = dataclasses.replace(
         sizes[size], **{k: v for k, v in overrides.items() if v is not None}
     )
-    real = size == "real"
+    real = not size.startswith("tiny")  # "real" and the other real-size variants ("70b")
     dtype = dtype or (torch.bfloat16 if real else torch.float32)
     device = torch.device(device or ("meta" if real else "cpu"))
 

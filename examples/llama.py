@@ -39,6 +39,10 @@ SIZES: dict[str, LlamaConfig] = {
     "real": LlamaConfig(
         hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, layers=1, batch=1, seq=8192
     ),
+    # Llama-3-70B.
+    "70b": LlamaConfig(
+        hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672, layers=1, batch=1, seq=8192
+    ),
 }
 
 
@@ -83,3 +87,60 @@ class Model(_common.RopeDecoder):
 
 
 build = _common.builder(Model, SIZES)
+
+
+def parallelize(block: Block, mesh) -> Block:
+    """Tensor + sequence parallelism of one block over a 1-D ``mesh``, as torchtitan applies it:
+    the residual stream and the norms sharded on the sequence (``SequenceParallel``), q/k/v and
+    gate/up column-parallel after an all-gather of the sequence, o and down row-parallel with a
+    reduce-scatter back onto the sequence. The block's inputs are this rank's sequence shard of
+    the hidden states (a plain tensor) and the full-sequence RoPE tables."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    tp = mesh.size()
+    attn = block.self_attn
+    if attn.heads % tp or attn.kv_heads % tp:
+        raise ValueError(f"tensor parallel degree {tp} must divide heads ({attn.heads}) and kv "
+                         f"heads ({attn.kv_heads})")
+    parallelize_module(block, mesh, {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    attn.heads //= tp  # each rank runs its heads on local (not DTensor) projections
+    attn.kv_heads //= tp
+    return block
+
+
+def build_tp(size: str = "tiny", *, tp: int, seed: int = 0, dtype: torch.dtype | None = None,
+             device: str | torch.device | None = None):
+    """One block, tensor- and sequence-parallel over ``tp`` ranks of the default process group
+    (real or ``graphpass.distributed.fake_process_group``), and this rank's inputs: its sequence
+    shard of the hidden states and the RoPE tables. ``layers`` is always 1: planning one rank of
+    one layer is what this is for."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, (x,) = build(size, layers=1, seed=seed, dtype=dtype, device=device)
+    config = model.config
+    if config.seq % tp:
+        raise ValueError(f"tensor parallel degree {tp} must divide the sequence ({config.seq})")
+    mesh_device = "cpu" if x.device.type == "meta" else x.device.type
+    mesh = init_device_mesh(mesh_device, (tp,))
+    block = parallelize(model.layers[0], mesh)
+    cos, sin = _common.rope_cos_sin(config.seq, config.head_dim, config.rope_theta, x.device, x.dtype)
+    rank = dist.get_rank()
+    local = x.detach().chunk(tp, dim=1)[rank].clone().requires_grad_()
+    return block, (local, cos, sin)

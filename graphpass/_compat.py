@@ -230,3 +230,52 @@ def remove_noop_ops(graph: fx.Graph) -> bool:
     before = len(graph.nodes)
     remove(graph)
     return len(graph.nodes) != before
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (public under that path in 2.11 through 2.14.1);
+    False where torch was built without distributed."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """This rank's shard of a DTensor, without the autograd op ``to_local`` records (which
+    fake-tensor mode refuses on a real shard)."""
+    return t._local_tensor
+
+
+def dtensor_from_local(local: torch.Tensor, like: Any) -> Any:
+    """A DTensor over ``local`` with ``like``'s mesh, placements, global shape and stride; no
+    communication (``run_check=False``)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def static_primal_positions(primals: list[fx.Node], static: list[int]) -> list[int]:
+    """Positions among the joint graph's primals of the inputs torch calls static (parameters,
+    buffers). ``static`` counts AOTAutograd's inputs before tensor subclasses are flattened:
+    from torch 2.13 a DTensor parameter becomes two primals (its ``_local_tensor`` and its
+    ``device_mesh``), so the positions shift. Each primal's input descriptor (``meta["desc"]``,
+    a ``SubclassGetAttrAOTInput`` over the ``PlainAOTInput(idx)`` it came from) names the input;
+    without subclass descriptors (torch 2.11, or no subclass input), the indices are positions
+    already."""
+    descs = [n.meta.get("desc") for n in primals]
+    if not all(descs) or not any(getattr(d, "base", None) is not None for d in descs):
+        return [i for i in static if i < len(primals)]  # nothing flattened: positions as given
+    wanted = set(static)
+    positions = []
+    for pos, desc in enumerate(descs):
+        while getattr(desc, "base", None) is not None:  # through subclass attributes
+            desc = desc.base
+        idx = getattr(desc, "idx", None)
+        if idx is not None and idx in wanted:
+            positions.append(pos)
+        elif idx is None and type(desc).__name__ in ("ParamAOTInput", "BufferAOTInput"):
+            positions.append(pos)
+    return positions

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import json
@@ -38,9 +39,10 @@ class _Parser(argparse.ArgumentParser):
 
 # -- models -------------------------------------------------------------------------------------
 
-def resolve_factory(model: str) -> Callable[..., Any]:
-    """``llama`` -> ``examples.llama:build``; ``pkg.mod:fn`` -> that function."""
-    spec = f"examples.{model}:build" if model in EXAMPLES else model
+def resolve_factory(model: str, tp: int | None = None) -> Callable[..., Any]:
+    """``llama`` -> ``examples.llama:build`` (``build_tp`` with ``tp``); ``pkg.mod:fn`` -> that
+    function."""
+    spec = f"examples.{model}:{'build_tp' if tp else 'build'}" if model in EXAMPLES else model
     if ":" not in spec:
         raise CLIError(
             f"unknown model {model!r}: use one of {', '.join(EXAMPLES)} or a factory "
@@ -56,15 +58,21 @@ def resolve_factory(model: str) -> Callable[..., Any]:
                if model in EXAMPLES else "check the module path and that it is importable from here")
         raise CLIError(f"cannot import {module_name!r} for model {model!r} ({e}); {fix}") from None
     factory = getattr(module, attr, None)
+    if tp and model in EXAMPLES and factory is None:
+        raise CLIError(f"example {model!r} has no tensor-parallel plan (only llama's build_tp); "
+                       "drop --tp, or pass a factory 'package.module:function' accepting tp=")
     if not callable(factory):
         raise CLIError(f"{module_name!r} has no function {attr!r}; name a function returning "
                        "(model, example_inputs)")
     return factory
 
 
-def build_model(model: str, size: str, layers: int | None) -> tuple[Any, tuple[Any, ...]]:
-    factory = resolve_factory(model)
+def build_model(model: str, size: str, layers: int | None,
+                tp: int | None = None) -> tuple[Any, tuple[Any, ...]]:
+    factory = resolve_factory(model, tp)
     kwargs: dict[str, Any] = {"size": size} if layers is None else {"size": size, "layers": layers}
+    if tp:
+        kwargs["tp"] = tp
     try:
         inspect.signature(factory).bind(**kwargs)
     except TypeError:
@@ -84,8 +92,6 @@ def build_model(model: str, size: str, layers: int | None) -> tuple[Any, tuple[A
 # -- commands -----------------------------------------------------------------------------------
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .plan import plan
-
     if args.plot:
         _require_matplotlib()
     models = args.model or ["llama"]
@@ -101,12 +107,29 @@ def cmd_report(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise CLIError(str(e)) from None
     for model_name in models:  # a bad name fails now, not after planning the models before it
-        resolve_factory(model_name)
+        resolve_factory(model_name, args.tp)
+    if args.tp and args.layers is not None:
+        raise CLIError("--tp plans one rank of one tensor-parallel layer; drop --layers")
+    if args.tp is not None and args.tp < 1:
+        raise CLIError(f"--tp must be at least 1, got {args.tp}")
+
+    with contextlib.ExitStack() as stack:
+        if args.tp:  # the mesh and the DTensor shards need a default process group
+            from .distributed import fake_process_group
+
+            stack.enter_context(fake_process_group(args.tp))
+        results = _plan_all(args, models, policies)
+        _print_results(args, results)  # its bf16 comparison plans the same rank
+    return 0
+
+
+def _plan_all(args: argparse.Namespace, models: list[str], policies: list[tuple[str, Config]]):
+    from .plan import plan
 
     results = []
     step, steps = 0, len(models) * len(policies)
     for model_name in models:
-        module, inputs = build_model(model_name, args.size, args.layers)
+        module, inputs = build_model(model_name, args.size, args.layers, args.tp)
         for label, config in policies:
             step += 1
             print(f"[{step}/{steps}] planning {model_name} {args.size} {label} ...",
@@ -115,7 +138,10 @@ def cmd_report(args: argparse.Namespace) -> int:
             report = plan(module, *inputs, config=config)
             print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
             results.append((model_name, label, report))
+    return results
 
+
+def _print_results(args: argparse.Namespace, results: list[tuple[str, str, Report]]) -> None:
     if args.json:
         if len(results) == 1:
             print(results[0][2].to_json())
@@ -127,7 +153,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(r.table() if len(results) == 1 else f"== {m} {args.size} {label} ==\n{r.table()}"
                           for m, label, r in results))
-        _print_against_high_precision(results, args.size, args.layers)
+        _print_against_high_precision(results, args.size, args.layers, args.tp)
     if args.plot:
         from .plot import plot_saved_bytes
 
@@ -136,10 +162,10 @@ def cmd_report(args: argparse.Namespace) -> int:
             panels.setdefault(f"{m} ({args.size})", []).append((label, r))
         plot_saved_bytes(panels, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
 
 
-def _print_against_high_precision(results: list[tuple[str, str, Report]], size: str, layers: int | None) -> None:
+def _print_against_high_precision(results: list[tuple[str, str, Report]], size: str, layers: int | None,
+                                  tp: int | None = None) -> None:
     """Under FP8, the saved bytes next to the model's own dtype with torch's default partitioner."""
     from .plan import plan
 
@@ -148,9 +174,10 @@ def _print_against_high_precision(results: list[tuple[str, str, Report]], size: 
         return
     print()
     for model_name in sorted(fp8_models):
-        module, inputs = build_model(model_name, size, layers)
+        module, inputs = build_model(model_name, size, layers, tp)
         base = plan(module, *inputs, config=Config(codegen="eager", memory="default")).activation_bytes
-        print(f"{model_name} {size}: without FP8, torch's default partitioner saves {format_bytes(base)}")
+        rank = f" (one rank of TP={tp})" if tp else ""
+        print(f"{model_name} {size}{rank}: without FP8, torch's default partitioner saves {format_bytes(base)}")
         for m, label, r in results:
             if m == model_name:
                 print(f"  {label}: {format_bytes(r.activation_bytes)} ({r.activation_bytes / base - 1:+.1%})")
@@ -200,6 +227,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--size", default="tiny", help="size passed to the factory: tiny or real for the examples "
                                                  "(default tiny)")
     r.add_argument("--layers", type=int, default=None, help="number of layers to build (passed as layers=)")
+    r.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="plan one rank of a tensor- and sequence-parallel layer over N ranks, on "
+                        "torch's fake process group (llama's build_tp, or a factory accepting tp=)")
     r.add_argument("--policy", action="append", metavar="'KEY=VALUE ...'",
                    help="plan once per policy, each the options below plus these items "
                         "(e.g. --policy fp8=none --policy 'fp8=tensorwise kernels=reference')")

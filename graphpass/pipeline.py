@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
 from .config import Config, given
+from .distributed import collective_notes
 from .graph.flops import step_flops
 from .graph.nodes import module_path, op_name
 from .graph.outcome import outcome_notes
@@ -76,11 +77,11 @@ def _partition(
     assumed: dict[str, list[str]],
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     config = given(config)
-    static = list(static_lifetime_input_indices or [])
     primals = [n for n in joint_module.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    # Positions among the primals: a DTensor parameter flattens into several (torch 2.13+).
+    static = _compat.static_primal_positions(primals, list(static_lifetime_input_indices or []))
     for i in static:
-        if i < len(primals):
-            primals[i].meta["graphpass_static"] = True
+        primals[i].meta["graphpass_static"] = True
     log: list[str] = []
     for graph_pass in PASSES:
         graph_pass(joint_module, config, log)
@@ -119,6 +120,7 @@ def _partition(
         named = dict(zip((p.name for p in primals), sources)) if len(sources) == len(primals) else {}
         rows = rows_of(fw, bw, {k: v for k, v in named.items() if v})
         notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
+        notes += collective_notes(fw, bw)  # a tensor/sequence-parallel rank's communication
         report = Report(rows=rows, notes=log + notes + _compat.assumed_size_notes(assumed),
                         meta=_meta(config))
         report.meta.update(step_flops=steps, recompute_flops=recompute_flops)

@@ -52,7 +52,15 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
-    """Call under a FakeTensorMode: a fake tensor like ``t`` (meta becomes CPU)."""
+    """Call under a FakeTensorMode: a fake tensor like ``t`` (meta becomes CPU). A DTensor (a
+    tensor- or sequence-parallel shard) stays a DTensor on the same mesh and placements over a
+    fake local shard, so the plan is the plan of this rank."""
+    if _compat.is_dtensor(t):
+        local = _fake_like(_compat.dtensor_local(t))
+        fake = _compat.dtensor_from_local(local.detach(), t)
+        if isinstance(t, nn.Parameter):
+            return nn.Parameter(fake, requires_grad=t.requires_grad)
+        return fake.requires_grad_(t.requires_grad)
     device = "cpu" if t.device.type == "meta" else t.device
     fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     if isinstance(t, nn.Parameter):

@@ -1,0 +1,129 @@
+"""Timing and memory measurement of one training step, shared by step_time.py and gpu_report.py.
+
+A step is forward + backward of a compiled model with gradients set to None first, as a training
+step after ``zero_grad`` does. On CUDA it is timed with CUDA events and its memory read from the
+caching allocator's counters; on CPU it is timed by the wall clock and memory is not measured
+(torch keeps no allocator statistics for CPU tensors).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+WARMUP = 3
+
+
+@dataclass
+class Result:
+    model: str
+    config: str
+    ms: float | None = None
+    """Median milliseconds of the timed steps."""
+    peak_gib: float | None = None
+    """``torch.cuda.max_memory_allocated`` over the timed steps, everything included."""
+    activation_bytes: int | None = None
+    """Measured saved activations: bytes allocated after the forward minus before it (weights and
+    inputs), minus the output the caller holds. What ``graphpass.plan`` predicts."""
+    step_peak_bytes: int | None = None
+    """Peak of one step minus what weights, inputs and the step's gradients hold."""
+    note: str = ""
+
+
+def reason(error: BaseException) -> str:
+    """The innermost error's first clause: dynamo wraps a backend's error (``inner_exception``,
+    not always ``__cause__``), and graphpass's messages go on after a ';' or ', or use' with
+    alternatives a table has no room for."""
+    while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:
+        error = inner
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return first.split(";")[0].split(", or use")[0]
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """Milliseconds one call takes: CUDA events around it on CUDA, wall clock on CPU."""
+    if device.type == "cuda":
+        def cuda_ms(fn: Callable[[], None]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        return cuda_ms
+
+    def cpu_ms(fn: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return cpu_ms
+
+
+def measure(result: Result, model: torch.nn.Module, inputs: Sequence[torch.Tensor],
+            compiled: Callable[..., torch.Tensor], device: torch.device, steps: int,
+            warmup: int = WARMUP) -> Result:
+    """Time ``steps`` steps after ``warmup`` (the first compiles) and, on CUDA, measure memory.
+
+    The backward is seeded with a gradient of ones allocated once, outside the measured window,
+    so no loss computed in eager mode adds saved tensors of its own to what is measured.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_out: list[torch.Tensor] = []  # allocated on the first forward, kept for every step
+
+    def forward() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        for x in inputs:
+            x.grad = None
+        return compiled(*inputs)
+
+    def backward(out: torch.Tensor) -> None:
+        if not grad_out:
+            grad_out.append(torch.ones_like(out))
+        out.backward(grad_out[0])
+
+    def step() -> None:
+        backward(forward())
+
+    try:
+        for _ in range(warmup):
+            step()
+        result.ms = statistics.median(timer(device)(step) for _ in range(steps))
+        if device.type == "cuda":
+            _measure_memory(result, forward, backward, params, inputs, device)
+    except Exception as e:  # a provider refusing this device, an out-of-memory, a kernel error
+        result.note = f"failed: {reason(e)}"
+    return result
+
+
+def _measure_memory(result: Result, forward: Callable[[], torch.Tensor],
+                    backward: Callable[[torch.Tensor], None], params: list[torch.Tensor],
+                    inputs: Sequence[torch.Tensor], device: torch.device) -> None:
+    """One more step between the allocator's counters: saved bytes after the forward, and the
+    step's peak above weights, inputs and gradients."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    out = forward()  # sets every gradient to None first, so ``before`` below holds none
+    # forward() freed the previous step's gradients before allocating anything, so the
+    # allocated bytes before it equal what is allocated once they are gone:
+    torch.cuda.synchronize()
+    after_forward = torch.cuda.memory_allocated(device)
+    backward(out)
+    torch.cuda.synchronize()
+    grads = sum(_storage_bytes(t.grad) for t in [*params, *inputs] if t.grad is not None)
+    out_bytes = _storage_bytes(out)
+    del out
+    # After the backward only weights, inputs, grad_out and gradients remain allocated.
+    steady = torch.cuda.memory_allocated(device) - grads
+    result.activation_bytes = after_forward - steady - out_bytes
+    result.step_peak_bytes = torch.cuda.max_memory_allocated(device) - steady - grads
+    result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()

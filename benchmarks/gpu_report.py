@@ -1,0 +1,357 @@
+"""Everything issue 13 asks of a GPU, in one command and one markdown report.
+
+    PYTHONPATH=. python benchmarks/gpu_report.py                  # on the GPU machine, < 9 min
+    PYTHONPATH=. python benchmarks/gpu_report.py --dry-run        # CPU, tiny sizes, ~1 min
+
+Sections: the ``pytest -m gpu`` results; the step time of the real-size Llama-3-8B layer
+(seq 8192) and GPT-3 layer per config (bf16 under Inductor's default, graphpass bf16, graphpass
+FP8 tensorwise with scaled_mm and fused or opaque quantize, blockwise, torchao float8 + compile),
+each with its measured activation memory next to ``graphpass.plan``'s prediction; the 4-layer
+Llama at seq 8192 with and without offload; PASS/FAIL lines for the issue's targets.
+
+``--dry-run`` runs the same code on the CPU at tiny sizes with graphpass's reference kernels and
+aot_eager in place of Inductor, so the script cannot rot between GPU loans. Its numbers are CPU
+numbers and every section says so; memory is not measured on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import graphpass  # noqa: E402
+from graphpass.report import format_bytes  # noqa: E402
+from _harness import Result, reason  # noqa: E402
+from step_time import run_config  # noqa: E402
+
+SECTIONS = ("## Machine", "## pytest -m gpu", "## Step time and activation memory",
+            "## Offload: 4-layer Llama", "## Targets")
+
+# The issue's targets (issue 13, "Done when").
+FP8_SPEEDUP = 1.3
+PLAN_TOLERANCE = 0.05
+OFFLOAD_PEAK_CUT = 0.30
+OFFLOAD_SLOWDOWN = 0.05
+
+
+@dataclass
+class Mode:
+    """What differs between a GPU run and a dry run; everything else is one code path."""
+    dry_run: bool
+    device: torch.device
+    size: str
+    codegen: str
+    kernels: str
+    steps: int
+    warmup: int
+    offload_min_bytes: int | None  # None: graphpass's default
+
+    @property
+    def label(self) -> str:
+        if self.dry_run:
+            return "DRY RUN on CPU: tiny sizes, reference kernels; NOT GPU numbers"
+        return f"GPU: {torch.cuda.get_device_name(self.device)}"
+
+
+@dataclass
+class Row:
+    result: Result
+    predicted: int | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def mode_for(dry_run: bool, steps: int | None) -> Mode:
+    if dry_run:
+        # aot_eager for Inductor: Inductor's C++ compile of every config takes minutes on 2 cores.
+        # Offload every saved tensor: at tiny sizes none reaches the default 1 MiB floor.
+        return Mode(True, torch.device("cpu"), "tiny", "eager", "reference", steps or 2, 1, 0)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_report.py: no CUDA device; run it on the GPU machine, or use "
+                         "--dry-run to check the script on the CPU")
+    return Mode(False, torch.device("cuda"), "real", "inductor", "scaled_mm", steps or 10, 3, None)
+
+
+def step_configs(mode: Mode) -> list[tuple[str, dict[str, object] | None]]:
+    k = mode.kernels
+    inductor = "Inductor" if mode.codegen == "inductor" else "aot_eager (dry run)"
+    return [
+        (f"bf16, torch.compile default ({inductor})", None),
+        ("graphpass bf16", {"fp8": None}),
+        (f"graphpass FP8 tensorwise/{k}, fused quantize", {"fp8": "tensorwise", "kernels": k}),
+        (f"graphpass FP8 tensorwise/{k}, opaque quantize",
+         {"fp8": "tensorwise", "kernels": k, "fuse_quantize": False}),
+        # scaled_mm runs tensorwise only (Config refuses it); auto picks what this torch and GPU
+        # support, and the row's note says when nothing does.
+        ("graphpass FP8 blockwise (kernels=auto)",
+         {"fp8": "blockwise", "kernels": "reference" if mode.dry_run else "auto"}),
+        (f"torchao float8 + torch.compile ({inductor})", {"torchao": True}),
+    ]
+
+
+def predicted_bytes(model_name: str, options: dict[str, object] | None, mode: Mode,
+                    layers: int = 1) -> tuple[int | None, str]:
+    """``graphpass.plan``'s activation bytes for the same model, size and config."""
+    build = importlib.import_module(f"examples.{model_name}").build
+    model, inputs = build(mode.size, layers=layers, dtype=torch.bfloat16,
+                          device="meta" if mode.size == "real" else "cpu")
+    if options is None:  # torch's own partitioner, which graphpass's memory="default" runs
+        cfg = graphpass.Config(memory="default")
+    elif options.get("torchao"):
+        try:
+            from torchao.float8 import convert_to_float8_training
+        except ImportError:
+            return None, "torchao not importable"
+        convert_to_float8_training(model)
+        cfg = graphpass.Config(memory="default")
+    else:
+        try:
+            cfg = graphpass.Config(**options)
+        except ValueError as e:
+            return None, reason(e)
+    try:
+        return graphpass.plan(model, *inputs, config=cfg).activation_bytes, ""
+    except Exception as e:  # planning is a CPU trace: a failure here is a graphpass bug to report
+        return None, f"plan failed: {reason(e)}"
+
+
+def run_pytest_gpu(timeout_s: int) -> tuple[str, str]:
+    """``pytest -m gpu`` in a subprocess: its summary line and its tail."""
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+           str(ROOT / "tests")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return f"TIMEOUT after {timeout_s} s", out[-3000:]
+    lines = done.stdout.strip().splitlines()
+    summary = lines[-1] if lines else f"no output (exit {done.returncode})"
+    return f"exit {done.returncode}: {summary}", "\n".join(lines[-40:])
+
+
+def _ms(r: Result) -> str:
+    return f"{r.ms:.2f}" if r.ms is not None else "-"
+
+
+def _bytes(n: int | None) -> str:
+    return format_bytes(n) if n is not None else "-"
+
+
+def _notes(*notes: str) -> str:
+    """Non-empty notes joined, each said once (a missing torchao fails both run and plan)."""
+    kept: list[str] = []
+    for n in notes:
+        if n and not any(n in k for k in kept):
+            kept.append(n)
+    return "; ".join(kept)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+class Report:
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+        self.lines: list[str] = []
+        self.targets: list[tuple[str, bool | None, str]] = []
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def target(self, name: str, ok: bool | None, detail: str) -> None:
+        self.targets.append((name, ok, detail))
+
+    def verdict(self, ok: bool | None) -> str:
+        if ok is None:
+            return "NOT MEASURED"
+        if self.mode.dry_run:
+            return f"DRY RUN ({'would pass' if ok else 'would fail'}; CPU numbers, not judged)"
+        return "PASS" if ok else "FAIL"
+
+    def markdown(self) -> str:
+        lines = list(self.lines)
+        lines += ["## Targets", ""]
+        if self.mode.dry_run:
+            lines += ["_Dry run: the targets are for an H100; these lines only show the checks run._",
+                      ""]
+        for name, ok, detail in self.targets:
+            lines.append(f"- {self.verdict(ok)}: {name} ({detail})")
+        return "\n".join(lines) + "\n"
+
+
+def step_section(report: Report, mode: Mode, models: list[str], deadline: float) -> dict:
+    """Step time and memory per model and config; returns the rows by model for the targets."""
+    m = mode
+    report.add("## Step time and activation memory", "",
+               f"_{m.label}._ One training step (forward + backward, gradients seeded with ones), "
+               f"1 layer, bf16, median of {m.steps} steps after {m.warmup} warm-up; `vs bf16` is "
+               "the bf16 row's median over this row's, both from this run. Measured activations: "
+               "bytes allocated after the forward minus before it, minus the output. Step peak: "
+               "the step's peak allocation minus weights, inputs and gradients. Predicted: "
+               "`graphpass.plan` of the same model and config on fake tensors.", "")
+    by_model: dict[str, list[Row]] = {}
+    for model_name in models:
+        report.add(f"### {model_name} ({m.size} size)", "",
+                   "| config | median ms | vs bf16 | measured activations | predicted | "
+                   "measured / predicted | step peak | note |",
+                   "|---|---|---|---|---|---|---|---|")
+        rows: list[Row] = []
+        for label, options in step_configs(m):
+            if time.monotonic() > deadline:
+                r = Result(model_name, label, note="skipped: the report's time budget ran out")
+            else:
+                r = run_config(model_name, label, options, m.size, m.codegen, m.device, m.steps,
+                               warmup=m.warmup)
+            predicted, why = predicted_bytes(model_name, options, m)
+            row = Row(r, predicted)
+            rows.append(row)
+            base = rows[0].result.ms
+            speed = _ratio(base, r.ms)
+            match = _ratio(r.activation_bytes, predicted)
+            note = _notes(r.note, why)
+            if m.dry_run and r.activation_bytes is None and not r.note:
+                note = "; ".join(x for x in ("memory not measured on CPU", note) if x)
+            report.add(f"| {label} | {_ms(r)} | {f'{speed:.2f}x' if speed else '-'} | "
+                       f"{_bytes(r.activation_bytes)} | {_bytes(predicted)} | "
+                       f"{f'{match:.3f}' if match else '-'} | {_bytes(r.step_peak_bytes)} | "
+                       f"{note} |")
+            print(f"[{model_name}] {label}: {_ms(r)} ms {note}", file=sys.stderr, flush=True)
+        report.add("")
+        by_model[model_name] = rows
+    return by_model
+
+
+def offload_section(report: Report, mode: Mode, deadline: float) -> tuple[Result, Result]:
+    m = mode
+    layers = 4
+    report.add("## Offload: 4-layer Llama", "",
+               f"_{m.label}._ graphpass FP8 tensorwise/{m.kernels}, {layers} Llama layers "
+               f"({m.size} size), without and with `offload=True, offload_stream=True`. Peak: "
+               "the step's peak above weights, inputs and gradients.", "",
+               "| config | median ms | measured activations | predicted | step peak | note |",
+               "|---|---|---|---|---|---|")
+    base = {"fp8": "tensorwise", "kernels": m.kernels}
+    offload = {**base, "offload": True, "offload_stream": True}
+    if m.offload_min_bytes is not None:
+        offload["offload_min_bytes"] = m.offload_min_bytes
+    out = []
+    for label, options in (("without offload", base), ("offload + stream", offload)):
+        if time.monotonic() > deadline:
+            r = Result("llama", label, note="skipped: the report's time budget ran out")
+        else:
+            r = run_config("llama", label, options, m.size, m.codegen, m.device, m.steps,
+                           layers=layers, warmup=m.warmup)
+        predicted, why = predicted_bytes("llama", options, m, layers=layers)
+        note = _notes(r.note, why)
+        report.add(f"| {label} | {_ms(r)} | {_bytes(r.activation_bytes)} | {_bytes(predicted)} | "
+                   f"{_bytes(r.step_peak_bytes)} | {note} |")
+        print(f"[offload] {label}: {_ms(r)} ms {note}", file=sys.stderr, flush=True)
+        out.append(r)
+    report.add("")
+    return out[0], out[1]
+
+
+def judge(report: Report, by_model: dict[str, list[Row]], off: tuple[Result, Result]) -> None:
+    rows = {row.result.config: row for row in by_model.get("llama", [])}
+    bf16 = next((r for c, r in rows.items() if c.startswith("bf16")), None)
+    fp8 = next((r for c, r in rows.items() if "tensorwise" in c and "fused" in c), None)
+    ao = next((r for c, r in rows.items() if c.startswith("torchao")), None)
+    if bf16 and fp8:
+        s = _ratio(bf16.result.ms, fp8.result.ms)
+        report.target(f"FP8 tensorwise >= {FP8_SPEEDUP}x bf16 Inductor, Llama-3-8B layer",
+                      None if s is None else s >= FP8_SPEEDUP,
+                      f"measured {s:.2f}x" if s else "a row did not run")
+    if fp8 and ao:
+        s = _ratio(ao.result.ms, fp8.result.ms)
+        report.target("FP8 tensorwise not slower than torchao float8 + compile",
+                      None if s is None else s >= 1.0,
+                      f"torchao ms / graphpass ms = {s:.2f}" if s else
+                      f"torchao row: {ao.result.note or 'did not run'}")
+    for model_name, model_rows in by_model.items():
+        for row in model_rows:
+            match = _ratio(row.result.activation_bytes, row.predicted)
+            report.target(f"measured activations within {PLAN_TOLERANCE:.0%} of the plan: "
+                          f"{model_name}, {row.result.config}",
+                          None if match is None else abs(match - 1) <= PLAN_TOLERANCE,
+                          f"measured / predicted = {match:.3f}" if match else
+                          "memory not measured" + (" on CPU" if report.mode.dry_run else ""))
+    without, with_ = off
+    cut = None if without.step_peak_bytes is None or with_.step_peak_bytes is None else \
+        1 - with_.step_peak_bytes / without.step_peak_bytes
+    slow = _ratio(with_.ms, without.ms)
+    report.target(f"offload: activation peak >= {OFFLOAD_PEAK_CUT:.0%} lower",
+                  None if cut is None else cut >= OFFLOAD_PEAK_CUT,
+                  f"{cut:.1%} lower" if cut is not None else "peak not measured")
+    report.target(f"offload: step <= {OFFLOAD_SLOWDOWN:.0%} longer",
+                  None if slow is None else slow <= 1 + OFFLOAD_SLOWDOWN,
+                  f"{slow - 1:+.1%}" if slow else "a row did not run")
+
+
+def build_report(*, dry_run: bool, models: list[str], steps: int | None = None,
+                 budget_s: float = 480.0, pytest_timeout_s: int = 150,
+                 run_pytest: bool = True) -> str:
+    """The markdown report. ``budget_s`` bounds the whole run: configs still waiting when it is
+    spent are listed as skipped, so the report always comes out."""
+    start = time.monotonic()
+    mode = mode_for(dry_run, steps)
+    report = Report(mode)
+    report.add("# graphpass GPU report", "",
+               f"**{mode.label}**", "",
+               "## Machine", "",
+               f"- device: {mode.label}",
+               f"- torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, Python "
+               f"{platform.python_version()}, {platform.platform()}",
+               f"- command: `PYTHONPATH=. python benchmarks/gpu_report.py"
+               f"{' --dry-run' if dry_run else ''}`", "")
+
+    report.add("## pytest -m gpu", "")
+    if run_pytest:
+        summary, tail = run_pytest_gpu(pytest_timeout_s)
+        if dry_run:
+            summary += " (CPU: the gpu-marked tests skip without CUDA)"
+        report.add(f"- {summary}", "", "```", tail, "```", "")
+    else:
+        report.add("- not run (--no-pytest)", "")
+
+    deadline = start + budget_s
+    by_model = step_section(report, mode, models, deadline)
+    off = offload_section(report, mode, deadline)
+    judge(report, by_model, off)
+    report.add(f"_Report written in {time.monotonic() - start:.0f} s._", "")
+    return report.markdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, tiny sizes, reference kernels: checks the script, not the GPU")
+    parser.add_argument("--out", default="gpu_report.md", help="markdown file to write")
+    parser.add_argument("--models", nargs="+", default=["llama", "gpt"], choices=["llama", "gpt"])
+    parser.add_argument("--steps", type=int, help="timed steps (default: 10 on GPU, 2 dry run)")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="time budget; configs left when it is spent are reported skipped")
+    parser.add_argument("--no-pytest", action="store_true", help="skip the pytest -m gpu section")
+    args = parser.parse_args(argv)
+    text = build_report(dry_run=args.dry_run, models=args.models, steps=args.steps,
+                        budget_s=args.budget_s, run_pytest=not args.no_pytest)
+    Path(args.out).write_text(text)
+    print(text)
+    print(f"written to {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

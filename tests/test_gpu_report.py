@@ -1,0 +1,61 @@
+"""benchmarks/gpu_report.py's CPU dry run: the script the GPU machine runs cannot rot between
+loans. Same code path as on the GPU (tiny sizes, reference kernels, aot_eager for Inductor)."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "benchmarks" / "gpu_report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_report"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_writes_every_section(tmp_path):
+    gpu_report = _load()
+    out = tmp_path / "report.md"
+    gpu_report.main(["--dry-run", "--models", "llama", "--steps", "1", "--out", str(out)])
+    text = out.read_text()
+
+    for section in gpu_report.SECTIONS:
+        assert section in text, section
+    # CPU numbers are labelled as such in the header and in every measured section.
+    assert text.count("NOT GPU numbers") >= 3
+    assert "## pytest -m gpu\n\n- exit 0:" in text  # the gpu tests ran (and skipped) cleanly
+    assert "deselected" in text
+
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([^|]+?) \|.*$", text, re.M)}
+    for label, _ in gpu_report.step_configs(gpu_report.mode_for(True, 1)):
+        assert label in rows, label
+    # Every graphpass config and the baseline ran a timed step and was planned: a number in the
+    # median and predicted columns, no failure note.
+    for label in ("bf16, torch.compile default (aot_eager (dry run))", "graphpass bf16",
+                  "graphpass FP8 tensorwise/reference, fused quantize",
+                  "graphpass FP8 tensorwise/reference, opaque quantize",
+                  "graphpass FP8 blockwise (kernels=auto)", "without offload", "offload + stream"):
+        cells = [c.strip() for c in rows[label].strip("|").split("|")]
+        assert re.fullmatch(r"\d+\.\d\d", cells[1]), rows[label]
+        assert "failed" not in rows[label], rows[label]
+        assert re.search(r"\d+(\.\d+)? [KM]iB", rows[label]), rows[label]
+    # The offloaded plan keeps fewer bytes on the device than the plain one.
+    assert "memory not measured on CPU" in text
+    targets = text.split("## Targets", 1)[1]
+    assert "FP8 tensorwise >= 1.3x bf16 Inductor" in targets
+    assert "offload: activation peak >= 30% lower" in targets
+    assert "PASS" not in targets and "FAIL" not in targets  # a dry run judges nothing
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_without_cuda_the_gpu_run_names_the_dry_run():
+    gpu_report = _load()
+    with pytest.raises(SystemExit, match="--dry-run"):
+        gpu_report.mode_for(False, None)
