@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _compat
 from .config import Config
 from .graph.flops import step_flops
+from .graph.gemms import coverage
 from .graph.nodes import module_path, op_name
 from .graph.outcome import outcome_notes
 from .graph.saved import saved_rows
@@ -67,6 +68,7 @@ def partition(
     for graph_pass in PASSES:
         graph_pass(joint_module, config, log)
     steps = step_flops(joint_module)
+    fp8_coverage = coverage(joint_module) if config.fp8 else None
     on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in primals)
     static_names = {primals[i].name for i in static if i < len(primals)}
 
@@ -94,6 +96,8 @@ def partition(
         notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
         report = Report(rows=rows, notes=log + notes, meta=_meta(config))
         report.meta.update(step_flops=steps, recompute_flops=recompute_flops)
+        if fp8_coverage is not None:
+            report.meta["fp8_coverage"] = fp8_coverage
         _record(report)
     return fw, bw
 

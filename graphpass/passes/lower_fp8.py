@@ -25,8 +25,9 @@ import torch.fx as fx
 
 from ..config import Config
 from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
+from ..graph import gemms
 from ..graph.linears import Linear, find_linears
-from ..graph.nodes import VIEWS, module_path, op_name
+from ..graph.nodes import op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _QUANTIZE = torch.ops.graphpass.quantize.default
@@ -41,6 +42,9 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         reason = why_not_lowered(lin, config)
         if reason:
             log.append(f"not lowered: {lin.module or '<root>'}: {reason}")
+            for node in (lin.fprop, lin.dgrad, lin.wgrad):
+                if node is not None:
+                    node.meta[gemms.REASON] = reason
             continue
         device = lin.x.meta["val"].device
         try:
@@ -51,25 +55,15 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
         log.append(f"lowered: {lin.module or '<root>'} ({provider.name}/{config.fp8}{extra})")
-    for module in grouped_gemm_modules(joint):
-        log.append(f"not lowered: {module}: grouped GEMM (bmm over 3-D expert weights) stays in "
-                   "high precision; only nn.Linear-style mm/addmm GEMMs are lowered")
+    # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
+    said = set(log)
+    for gemm in gemms.gemms(joint):
+        note = f"not lowered: {gemm.module or '<root>'}: {gemm.reason}"
+        if gemm.reason is not None and note not in said:
+            said.add(note)
+            log.append(note)
     joint.graph.lint()
     joint.recompile()
-
-
-def grouped_gemm_modules(joint: fx.GraphModule) -> list[str]:
-    """Modules whose forward multiplies by a 3-D weight with bmm (MoE routed experts)."""
-    modules = []
-    for node in joint.graph.nodes:
-        if op_name(node) != "aten.bmm" or node.meta.get("partitioner_tag") == "is_backward":
-            continue
-        weight = node.args[1]
-        while weight.op == "call_function" and op_name(weight) in VIEWS:
-            weight = weight.args[0]
-        if weight.op == "placeholder" and weight.meta["val"].dim() == 3:
-            modules.append(module_path(node))
-    return list(dict.fromkeys(modules))
 
 
 def why_not_lowered(lin: Linear, config: Config) -> str | None:
