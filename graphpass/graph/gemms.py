@@ -34,6 +34,11 @@ REASON = "graphpass_fp8_reason"
 _ROLES_PHASE = {"input,weight": "forward", "grad,weight": "dgrad", "grad,input": "wgrad"}
 _CASTS = ("prims.convert_element_type", "aten._to_copy")
 _PASS_THROUGH = VIEWS | set(_CASTS) | {"aten.clone", "aten.contiguous"}
+# Rows of a weight picked per token or per expert (transformers' batched_mm experts), and the
+# ops their gradients are scattered back with.
+_GATHERS = ("aten.index", "aten.index_select", "aten.embedding", "aten.gather")
+_SCATTERS = ("aten.index_put", "aten._unsafe_index_put", "aten.index_add", "aten.scatter_add",
+             "aten.embedding_dense_backward")
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -168,6 +173,9 @@ def _form(node: fx.Node) -> str:
     else:
         a, b = (_strip(t) for t in tensors[:2])
     weight = next((t for t in (b, a) if t.op == "placeholder"), None)
+    if weight is None and any(_gathered_weight(t) for t in (a, b)):
+        return (f"{name} over expert weights gathered per token (e.g. transformers' batched_mm "
+                "experts) is not lowered to FP8")
     if name == "aten._grouped_mm":
         return "grouped GEMM (torch._grouped_mm) is not lowered to FP8"
     if name in ("aten.bmm", "aten.baddbmm") and weight is not None and weight.meta["val"].dim() == 3:
@@ -178,6 +186,14 @@ def _form(node: fx.Node) -> str:
     if name in ("aten.mm", "aten.addmm") and weight is b and weight.meta["val"].dim() == 2:
         return "x @ W with W stored [in, out] (e.g. GPT-2 Conv1D) is not lowered to FP8"
     return f"{name} is not a GEMM form graphpass lowers to FP8"
+
+
+def _gathered_weight(node: fx.Node) -> bool:
+    """Whether ``node`` is rows of a 3-D weight placeholder picked by an index."""
+    if node.op != "call_function" or op_name(node) not in _GATHERS:
+        return False
+    source = _strip(node.args[0])
+    return source.op == "placeholder" and source.meta["val"].dim() == 3
 
 
 def _weight_gradient_gemms(joint: fx.GraphModule) -> set[fx.Node]:
@@ -193,6 +209,8 @@ def _weight_gradient_gemms(joint: fx.GraphModule) -> set[fx.Node]:
             b = tensors[-1] if op_name(node) in ("aten.mm", "aten.addmm", "aten.bmm") else (
                 tensors[1] if len(tensors) > 1 else tensors[0])
             weights.add(_strip(b))
+            # expert weights gathered per token may be either operand
+            weights.update(_strip(t.args[0]) for t in map(_strip, tensors) if _gathered_weight(t))
     found: set[fx.Node] = set()
     for weight in weights:
         stack = [grad_of.get(weight)]
@@ -204,6 +222,7 @@ def _weight_gradient_gemms(joint: fx.GraphModule) -> set[fx.Node]:
                 found.add(node)
             elif op_name(node) in _PASS_THROUGH:
                 stack.append(node.args[0])
-            elif op_name(node) == "aten.add":  # a weight used twice: its gradients summed
+            elif op_name(node) == "aten.add" or op_name(node) in _SCATTERS:
+                # a weight used twice has its gradients summed; a gathered one, scattered back
                 stack += [a for a in node.args if isinstance(a, fx.Node)]
     return found
