@@ -55,7 +55,8 @@ def fp8_gemm(
     """``dequant(a) @ dequant(b).T (+ bias)``: a TN GEMM, both operands K-major.
 
     ``roles`` is ``"<role of a>,<role of b>"`` (``input,weight`` for fprop, ``grad,weight`` for
-    dgrad, ``grad,input`` for wgrad); ``kernel`` names the provider that runs it.
+    dgrad, ``grad,input`` for wgrad, ``input,grad`` for the wgrad of a weight stored [in, out]);
+    ``kernel`` names the provider that runs it.
     """
     a_role, b_role = roles.split(",")
     return providers.get(kernel).gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,

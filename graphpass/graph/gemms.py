@@ -25,13 +25,23 @@ GEMM_OPS = frozenset({
     "aten.dot", "aten._grouped_mm", "aten._scaled_mm", "aten._scaled_mm_v2",
     "aten._scaled_grouped_mm", "aten._scaled_grouped_mm_v2", "graphpass.fp8_gemm",
 })
+# GEMMs behind custom ops of libraries, by op name: (phases of its GEMMs, their operand indices).
+# transformers' grouped_mm fallback (its MoE experts where torch's grouped_mm cannot run, e.g.
+# float32 on CPU) computes input (T, K) x weight (E, K, N) per group; its backward op both
+# gradients, one GEMM each of the same size.
+_LIBRARY_GEMMS = {
+    "transformers.grouped_mm_fallback": ("forward",),
+    "transformers.grouped_mm_fallback_backward": ("dgrad", "wgrad"),
+}
+GEMM_OPS = GEMM_OPS | frozenset(_LIBRARY_GEMMS)
 _FP8_OPS = frozenset({"graphpass.fp8_gemm", "aten._scaled_mm", "aten._scaled_mm_v2",
                       "aten._scaled_grouped_mm", "aten._scaled_grouped_mm_v2"})
 PHASES = ("forward", "dgrad", "wgrad")
 REASON = "graphpass_fp8_reason"
 """Node meta key: why the FP8 lowering left this GEMM in high precision (set by lower_fp8)."""
 
-_ROLES_PHASE = {"input,weight": "forward", "grad,weight": "dgrad", "grad,input": "wgrad"}
+_ROLES_PHASE = {"input,weight": "forward", "grad,weight": "dgrad", "grad,input": "wgrad",
+                "input,grad": "wgrad"}
 _CASTS = ("prims.convert_element_type", "aten._to_copy")
 _PASS_THROUGH = VIEWS | set(_CASTS) | {"aten.clone", "aten.contiguous"}
 # Rows of a weight picked per token or per expert (transformers' batched_mm experts), and the
@@ -89,6 +99,14 @@ def gemms(joint: fx.GraphModule) -> list[Gemm]:
         if not is_gemm(node):
             continue
         name = op_name(node)
+        if name in _LIBRARY_GEMMS:
+            a, b = (t.meta["val"] for t in node.args[:2])
+            flops = _grouped_mm_flops(a.shape, b.shape, out_shape=(*a.shape[:-1], b.shape[-1]))
+            op = name.removesuffix('_backward').replace('.', '::')  # one reason for both
+            reason = f"grouped GEMM ({op}, a custom op) is not lowered to FP8"
+            out += [Gemm(node, module_path(node), phase, flops, reason)
+                    for phase in _LIBRARY_GEMMS[name]]
+            continue
         if name == "graphpass.fp8_gemm":
             phase = _ROLES_PHASE.get(node.args[5], "forward")
         elif not is_backward(node):

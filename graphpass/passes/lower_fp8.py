@@ -7,6 +7,10 @@ K-major as Hopper's TN-only FP8 GEMMs need:
     dgrad  dX = dY @ W     a = dY rowwise        b = W columnwise (W.T, blocks along N)
     wgrad  dW = dY.T @ X   a = dY columnwise     b = X columnwise (X.T, blocks along M)
 
+A weight stored [in, out] (GPT-2's Conv1D, ``Y = X @ W``) swaps W's two copies (fprop reads the
+columnwise one) and computes dW = X.T @ dY (a = X columnwise, b = dY columnwise), which has W's
+own (K, N) shape.
+
 Quantizes of forward tensors (X, W, both usages) are forward nodes, as in TE, so by default the
 partitioner saves the 1-byte columnwise copies for the backward; the save-original pass may move
 them into the backward instead. Each forward tensor is quantized once per usage, however many
@@ -115,20 +119,28 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
         graph.erase_node(old)
 
     fprop = lin.fprop
+    # The GEMMs want W as (N, K) for fprop and (K, N) for dgrad, both K-major. A weight stored
+    # [in, out] (K, N) is the transpose of nn.Linear's: its rowwise copy is what dgrad reads and
+    # its columnwise copy (the quantization of W.T) what fprop reads. Either way W is quantized
+    # from the parameter itself, never from a transposed copy of it.
+    kn = lin.stored_kn
     qx = quantize(lin.x, "input", False, fprop, backward=False)
-    qw = quantize(lin.w, "weight", False, fprop, backward=False)
+    qw = quantize(lin.w, "weight", kn, fprop, backward=False)
     if lin.wgrad is not None:
         qxt = quantize(lin.x, "input", True, fprop, backward=False)
     if lin.dgrad is not None:
-        qwt = quantize(lin.w, "weight", True, fprop, backward=False)
+        qwt = quantize(lin.w, "weight", not kn, fprop, backward=False)
     gemm(fprop, qx, qw, "input,weight", lin.bias, backward=False)
     if lin.dgrad is not None:
         qg = quantize(lin.dgrad.args[0], "grad", False, lin.dgrad, backward=True)
         gemm(lin.dgrad, qg, qwt, "grad,weight", None, backward=True)
-    if lin.wgrad is not None:
+    if lin.wgrad is not None and not kn:
         grad = lin.wgrad.args[0].args[0]  # wgrad reads permute(dY)
         qgt = quantize(grad, "grad", True, lin.wgrad, backward=True)
         gemm(lin.wgrad, qgt, qxt, "grad,input", None, backward=True)
+    elif lin.wgrad is not None:  # dW = X.T @ dY, (K, N) like the stored weight
+        qgt = quantize(lin.wgrad.args[1], "grad", True, lin.wgrad, backward=True)
+        gemm(lin.wgrad, qxt, qgt, "input,grad", None, backward=True)
 
 
 def _canonical(x: fx.Node) -> Any:
