@@ -136,3 +136,63 @@ def _grad_of_wgrad(lin: Linear) -> fx.Node:
 
 def _calls(joint: fx.GraphModule) -> list[fx.Node]:
     return [n for n in joint.graph.nodes if n.op == "call_function"]
+
+
+def _batch_transposed(node: fx.Node) -> fx.Node | None:
+    """``node``'s base if it is ``permute(base, [0, 2, 1])`` (a transpose of each group)."""
+    if op_name(node) == "aten.permute" and list(node.args[1]) == [0, 2, 1]:
+        return node.args[0]
+    if op_name(node) == "aten.transpose" and sorted(d % 3 for d in node.args[1:3]) == [1, 2]:
+        return node.args[0]
+    return None
+
+
+def _same_value(a: fx.Node, b: fx.Node) -> bool:
+    """``a`` and ``b`` are one tensor: the same node, or the same view of the same base (the
+    backward may re-view a forward tensor)."""
+    if a is b:
+        return True
+    views = ("aten.view", "aten.reshape", "aten._unsafe_view")
+    return (op_name(a) in views and op_name(b) in views and a.args[0] is b.args[0]
+            and a.meta["val"].shape == b.meta["val"].shape)
+
+
+def find_grouped(joint: fx.GraphModule) -> list[Linear]:
+    """Capacity-style MoE experts: ``bmm(x, W)`` with W a 3-D [experts, in, out] weight.
+
+    Per expert this is a linear whose weight is stored [in, out] (see the module docstring),
+    with the expert as a leading group dimension: fprop ``bmm(x, W)``, dgrad
+    ``bmm(dY, permute(W, [0, 2, 1]))``, wgrad ``bmm(permute(x, [0, 2, 1]), dY)``.
+    """
+    found: list[Linear] = []
+    for node in _calls(joint):
+        if is_backward(node) or op_name(node) != "aten.bmm":
+            continue
+        x, w = node.args
+        weight = _uncast(w)
+        if weight.op == "placeholder" and weight.meta["val"].dim() == 3:
+            found.append(Linear(module_path(node), weight, w, x, node, stored_kn=True))
+
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
+    grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
+    for lin in found:
+        grad = grad_of.get(lin.weight)
+        base = _uncast(grad) if isinstance(grad, fx.Node) else None
+        if base is not None and op_name(base) == "aten.bmm" and is_backward(base):
+            xt = _batch_transposed(base.args[0])
+            if xt is not None and _same_value(xt, lin.x):
+                lin.wgrad = base
+    for node in _calls(joint):
+        if not is_backward(node) or op_name(node) != "aten.bmm":
+            continue
+        g, wt = node.args
+        w = _batch_transposed(wt)
+        if w is None:
+            continue
+        candidates = [lin for lin in found if lin.w is w and lin.dgrad is None]
+        if len(candidates) > 1:
+            candidates = [lin for lin in candidates if lin.wgrad is not None and lin.wgrad.args[1] is g]
+        if len(candidates) == 1:
+            candidates[0].dgrad = node
+    return found

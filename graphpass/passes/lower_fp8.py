@@ -30,7 +30,7 @@ import torch.fx as fx
 from ..config import Config
 from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
 from ..graph import gemms
-from ..graph.linears import Linear, find_linears
+from ..graph.linears import Linear, find_grouped, find_linears
 from ..graph.nodes import op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,7 +42,7 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
     if config.fp8 is None:
         return
     quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]] = {}
-    for lin in find_linears(joint):
+    for lin in find_linears(joint) + find_grouped(joint):
         reason = why_not_lowered(lin, config)
         if reason:
             log.append(f"not lowered: {lin.module or '<root>'}: {reason}")
@@ -58,7 +58,9 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         _rewrite(joint, lin, config.fp8, provider.name, quantized)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
-        log.append(f"lowered: {lin.module or '<root>'} ({provider.name}/{config.fp8}{extra})")
+        note = f"lowered: {lin.module or '<root>'} ({provider.name}/{config.fp8}{extra})"
+        if note not in log:  # a module's experts: several grouped GEMMs, one note
+            log.append(note)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
     said = set(log)
     for gemm in gemms.gemms(joint):
@@ -78,7 +80,10 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     x, w = lin.x.meta["val"], lin.w.meta["val"]
     if x.dtype not in _HIGH_PRECISION or w.dtype not in _HIGH_PRECISION:
         return f"dtype {x.dtype}/{w.dtype} is not float32, bfloat16 or float16"
-    (m, k), n = x.shape, w.shape[0]
+    # x is (M, K) or, for grouped experts, (groups, M, K); W is (N, K), or (K, N) when stored
+    # [in, out], with the same leading groups.
+    *groups, m, k = x.shape
+    n = w.shape[-1] if lin.stored_kn else w.shape[-2]
     multiple = recipes.requires_divisibility(config.fp8)
     # wgrad contracts over M (tokens), so M needs the same alignment as K and N.
     for dim, size in (("K", k), ("N", n), ("M", m)):
@@ -86,7 +91,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
             return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
         if size % multiple:
             return f"{dim}={size} not a multiple of {multiple}"
-    flops = 2 * m * n * k
+    flops = 2 * m * n * k * (groups[0] if groups else 1)
     if flops < config.fp8_min_gemm_flops:
         return f"GEMM of {flops:,} FLOPs is below fp8_min_gemm_flops={config.fp8_min_gemm_flops:,}"
     return None
