@@ -95,3 +95,22 @@ def test_grouped_gemm_plans_at_real_size():
     # the backward keeps X's columnwise FP8 copy (E, K, C) and its 1x128 scales (E, K, C/128)
     fp8 = sorted((r.shape, r.bytes) for r in report.rows if r.kind in ("fp8_data", "fp8_scale"))
     assert fp8 == [((e, k, c // 128), e * k * (c // 128) * 4), ((e, k, c), e * k * c)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_memory_passes_on_fp8_experts_are_bit_identical(recipe):
+    """save-original, moe_act/moe recompute, the planner and offload move FP8 expert tensors
+    around, never change a gradient bit. seq=128 gives an expert capacity of 128 tokens, which
+    blockwise needs."""
+    from examples import deepseek
+    from test_memory_passes import POLICIES, UNOPTIMISED, _compiled_grads
+
+    base, report = _compiled_grads(deepseek, dict(fp8=recipe, **UNOPTIMISED), seq=128, layers=1)
+    assert f"lowered: layers.0.mlp.experts (reference/{recipe})" in report.notes
+    for policy in [*POLICIES, dict(offload=True, offload_min_bytes=0)]:
+        grads, report = _compiled_grads(deepseek, dict(fp8=recipe, **policy), seq=128, layers=1)
+        assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
+        if policy.get("save_original") == "always":
+            assert "save original: layers.0.mlp.experts re-quantizes its saved input in the backward" in report.notes
+        if "moe_act" in policy.get("recompute", ()):
+            assert "recomputed: moe_act in backward: layers.0.mlp.experts" in report.notes
