@@ -201,8 +201,6 @@ def _form(node: fx.Node) -> str:
     if weight is None:
         return (f"{name} of two activations (no weight operand, e.g. attention scores); "
                 "graphpass lowers GEMMs against a weight")
-    if name in ("aten.mm", "aten.addmm") and weight is b and weight.meta["val"].dim() == 2:
-        return "x @ W with W stored [in, out] (e.g. GPT-2 Conv1D) is not lowered to FP8"
     return f"{name} is not a GEMM form graphpass lowers to FP8"
 
 

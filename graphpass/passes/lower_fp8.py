@@ -45,7 +45,9 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
     for lin in find_linears(joint) + find_grouped(joint):
         reason = why_not_lowered(lin, config)
         if reason:
-            log.append(f"not lowered: {lin.module or '<root>'}: {reason}")
+            note = f"not lowered: {lin.module or '<root>'}: {reason}"
+            if note not in log:  # a module's experts: several grouped GEMMs, one note
+                log.append(note)
             for node in (lin.fprop, lin.dgrad, lin.wgrad):
                 if node is not None:
                     node.meta[gemms.REASON] = reason
