@@ -41,6 +41,8 @@ class Result:
     bytes: int | None
     recompute: float | None
     note: str = ""
+    fp8_coverage: float | None = None
+    """Share of the step's GEMM FLOPs that run as FP8 GEMMs (None without fp8)."""
 
 
 def policies(model: str, fp8: str) -> dict[str, dict]:
@@ -68,7 +70,8 @@ def plan(model_name: str, size: str, cfg: dict | None) -> Result:
         cfg = dict(memory="default")
     report = graphpass.plan(model, *inputs, config=graphpass.Config(**cfg))
     share = report.meta["recompute_flops"] / report.meta["step_flops"]
-    return Result("", report.activation_bytes, share)
+    coverage = report.meta.get("fp8_coverage", {}).get("fp8_share")
+    return Result("", report.activation_bytes, share, fp8_coverage=coverage)
 
 
 def run(models: list[str], size: str, fp8: str) -> dict[str, list[Result]]:
@@ -86,16 +89,18 @@ def run(models: list[str], size: str, fp8: str) -> dict[str, list[Result]]:
 
 
 def table(results: dict[str, list[Result]], *, markdown: bool) -> str:
-    head = ("layer", "policy", "saved activations", "vs bf16", "recompute (% step FLOPs)")
+    head = ("layer", "policy", "saved activations", "vs bf16", "recompute (% step FLOPs)",
+            "FP8 GEMM FLOPs")
     rows = []
     for model, res in results.items():
         bf16 = res[0].bytes
         for r in res:
             if r.bytes is None:
-                rows.append((model, r.policy, r.note, "", ""))
+                rows.append((model, r.policy, r.note, "", "", ""))
                 continue
+            cov = "-" if r.fp8_coverage is None else f"{r.fp8_coverage:.1%}"
             rows.append((model, r.policy, f"{format_bytes(r.bytes)} ({r.bytes:,} B)",
-                         f"{r.bytes / bf16 - 1:+.1%}", f"{r.recompute:.3%}"))
+                         f"{r.bytes / bf16 - 1:+.1%}", f"{r.recompute:.3%}", cov))
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]

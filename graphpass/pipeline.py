@@ -18,6 +18,7 @@ from . import _compat
 from .config import Config, given
 from .distributed import collective_notes
 from .graph.flops import step_flops
+from .graph.gemms import coverage
 from .graph.nodes import module_path, op_name
 from .graph.outcome import outcome_notes
 from .graph.saved import saved_rows
@@ -87,6 +88,7 @@ def _partition(
         graph_pass(joint_module, config, log)
     estimated: dict[str, str] = {}
     steps = step_flops(joint_module, estimated)
+    fp8_coverage = coverage(joint_module) if config.fp8 else None
     on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in primals)
     static_names = {primals[i].name for i in static if i < len(primals)}
 
@@ -124,6 +126,8 @@ def _partition(
         report = Report(rows=rows, notes=log + notes + _compat.assumed_size_notes(assumed),
                         meta=_meta(config))
         report.meta.update(step_flops=steps, recompute_flops=recompute_flops)
+        if fp8_coverage is not None:
+            report.meta["fp8_coverage"] = fp8_coverage
         _record(report)
     return fw, bw
 

@@ -115,6 +115,11 @@ class Report(SavedTotals):
             for key in ("step_flops", "recompute_flops"):
                 if i and key in rep.meta:
                     merged.meta[key] = merged.meta.get(key, 0) + rep.meta[key]
+        parts = [rep.meta["fp8_coverage"] for rep in reports if "fp8_coverage" in rep.meta]
+        if parts:
+            from .graph.gemms import merge_coverage
+
+            merged.meta["fp8_coverage"] = merge_coverage(parts)
         return merged
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,6 +170,10 @@ class Report(SavedTotals):
         if self.meta.get("step_flops"):
             lines.append(f"recompute: {self.meta['recompute_flops'] / self.meta['step_flops']:.3%} "
                          "of the step's FLOPs")
+        if "fp8_coverage" in self.meta:
+            from .graph.gemms import coverage_lines
+
+            lines += coverage_lines(self.meta["fp8_coverage"])
         layers = self.bytes_by_layer()
         if len(layers) > 1 or "(outside layers)" not in layers:
             lines += [f"  {layer}: {format_bytes(b)}" for layer, b in layers.items()]

@@ -105,8 +105,10 @@ def test_every_linear_is_lowered_or_has_a_reason(module, recipe):
         excluded = any(fnmatch.fnmatchcase(path, p) for p in graphpass.Config().fp8_exclude)
         if excluded:
             assert note.startswith("not lowered") and "excluded by pattern" in note
-        elif path.endswith("experts"):
-            assert "grouped GEMM" in note
+        elif path.endswith("experts") and recipe == "blockwise":
+            # grouped bmm experts are lowered (tests/test_fp8_experts.py), but the tiny model's
+            # expert capacity is 64 tokens, short of blockwise's 128
+            assert note == f"not lowered: {path}: M=64 not a multiple of 128"
         elif module is deepseek and path.endswith("kv_a_proj_with_mqa") and recipe == "blockwise":
             assert note.endswith("N=160 not a multiple of 128")  # 128 latent + 32 rope dims
         else:

@@ -63,7 +63,7 @@ class TransformerEngine:
             self._wrap(b, b_scale_inv), self._wrap(a, a_scale_inv), out_dtype=out_dtype,
             layout="TN", bias=bias.to(out_dtype) if fused_bias else None,
             # Float8CurrentScaling: split accumulator off for fprop, on for dgrad/wgrad (§5).
-            use_split_accumulator=a_role == "grad",
+            use_split_accumulator="grad" in (a_role, b_role),
         )[0]
         if bias is not None and not fused_bias:
             out = out + bias.to(out_dtype)

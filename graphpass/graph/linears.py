@@ -7,7 +7,11 @@ After AOTAutograd (with Inductor's decompositions) a linear ``y = x @ W.T + b`` 
     wgrad:  mm(permute(g2d, [1, 0]), x2d)       dW = dY.T @ X  (backward)
 
 where ``x2d`` is x itself or its 2-D view for 3-D inputs, and under autocast W is read through
-a dtype cast. We follow operands from each forward GEMM to a weight placeholder, then find the
+a dtype cast. A weight stored ``[in, out]`` (GPT-2's ``Conv1D``: ``y = x @ W + b``) reads
+
+    fprop:  mm(x2d, W)                          or addmm(b, x2d, W)
+    dgrad:  mm(g2d, permute(W, [1, 0]))         dX = dY @ W.T
+    wgrad:  mm(permute(x2d, [1, 0]), g2d)       dW = X.T @ dY We follow operands from each forward GEMM to a weight placeholder, then find the
 backward GEMMs that read the same weight and the same ``x2d``.
 """
 
@@ -35,6 +39,9 @@ class Linear:
     bias: fx.Node | None = None
     dgrad: fx.Node | None = None
     wgrad: fx.Node | None = None
+    stored_kn: bool = False
+    """The weight is stored (K, N) = [in, out] (GPT-2 ``Conv1D``), so ``w`` is W, not W.T's base
+    of shape (N, K)."""
 
 
 def _untranspose(node: fx.Node) -> tuple[fx.Node, bool]:
@@ -68,11 +75,11 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
         x, wt = node.args[-2:]
         w, flipped = _untranspose(wt)
         weight = _uncast(w)
-        if not flipped or weight.op != "placeholder" or len(weight.meta["val"].shape) != 2:
+        if weight.op != "placeholder" or len(weight.meta["val"].shape) != 2:
             continue
         if bias is not None and len(bias.meta["val"].shape) != 1:
             continue  # addmm with a full matrix is not a linear's bias
-        linears.append(Linear(module_path(node), weight, w, x, node, bias))
+        linears.append(Linear(module_path(node), weight, w, x, node, bias, stored_kn=not flipped))
 
     # wgrad: the backward GEMM whose result is the weight's gradient output. The joint graph
     # returns (forward outputs..., one gradient per primal), so gradients are the last outputs.
@@ -81,12 +88,26 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
     grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
     for lin in linears:
         grad = grad_of.get(lin.weight)
-        if not isinstance(grad, fx.Node):
-            continue
-        base, flipped = _untranspose(_uncast(grad))
-        if (not flipped and op_name(base) == "aten.mm" and is_backward(base)
-                and base.args[1] is lin.x and _untranspose(base.args[0])[1]):
-            lin.wgrad = base
+        # a weight shared with another use (GPT-2's lm_head tied to the embedding) gets the sum
+        # of its gradients: look at each term
+        terms, stack = [], [grad]
+        while stack:
+            term = stack.pop()
+            if isinstance(term, fx.Node) and op_name(term) == "aten.add":
+                stack += term.args
+            elif isinstance(term, fx.Node):
+                terms.append(term)
+        for term in terms:
+            base, flipped = _untranspose(_uncast(term))
+            if flipped or op_name(base) != "aten.mm" or not is_backward(base):
+                continue
+            # dW = dY.T @ X (N, K), or for a stored [in, out] weight dW = X.T @ dY (K, N)
+            x_arg, t_arg = (base.args[0], base.args[0]) if lin.stored_kn else (base.args[1], base.args[0])
+            x_base, x_flipped = _untranspose(x_arg)
+            if lin.stored_kn and x_flipped and x_base is lin.x:
+                lin.wgrad = base
+            elif not lin.stored_kn and x_arg is lin.x and _untranspose(t_arg)[1]:
+                lin.wgrad = base
 
     # dgrad: a backward dY @ W. With several linears on one weight, the one whose wgrad reads
     # the same dY.
@@ -96,16 +117,82 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
         g, w = node.args
         base, flipped = _untranspose(w)
         base = _uncast(base)
-        if flipped or base.op != "placeholder":
+        if base.op != "placeholder":
             continue
-        candidates = [lin for lin in linears if lin.weight is base and lin.dgrad is None]
+        # dX = dY @ W reads W itself (its transpose twice); a stored [in, out] W, transposed once
+        candidates = [lin for lin in linears
+                      if lin.weight is base and lin.dgrad is None and lin.stored_kn == flipped]
         if len(candidates) > 1:
-            candidates = [lin for lin in candidates
-                          if lin.wgrad is not None and _untranspose(lin.wgrad.args[0])[0] is g]
+            candidates = [lin for lin in candidates if lin.wgrad is not None and _grad_of_wgrad(lin) is g]
         if len(candidates) == 1:
             candidates[0].dgrad = node
     return linears
 
 
+def _grad_of_wgrad(lin: Linear) -> fx.Node:
+    """The dY a linear's wgrad reads (its second operand when the weight is stored [in, out])."""
+    return lin.wgrad.args[1] if lin.stored_kn else _untranspose(lin.wgrad.args[0])[0]
+
+
 def _calls(joint: fx.GraphModule) -> list[fx.Node]:
     return [n for n in joint.graph.nodes if n.op == "call_function"]
+
+
+def _batch_transposed(node: fx.Node) -> fx.Node | None:
+    """``node``'s base if it is ``permute(base, [0, 2, 1])`` (a transpose of each group)."""
+    if op_name(node) == "aten.permute" and list(node.args[1]) == [0, 2, 1]:
+        return node.args[0]
+    if op_name(node) == "aten.transpose" and sorted(d % 3 for d in node.args[1:3]) == [1, 2]:
+        return node.args[0]
+    return None
+
+
+def _same_value(a: fx.Node, b: fx.Node) -> bool:
+    """``a`` and ``b`` are one tensor: the same node, or the same view of the same base (the
+    backward may re-view a forward tensor)."""
+    if a is b:
+        return True
+    views = ("aten.view", "aten.reshape", "aten._unsafe_view")
+    return (op_name(a) in views and op_name(b) in views and a.args[0] is b.args[0]
+            and a.meta["val"].shape == b.meta["val"].shape)
+
+
+def find_grouped(joint: fx.GraphModule) -> list[Linear]:
+    """Capacity-style MoE experts: ``bmm(x, W)`` with W a 3-D [experts, in, out] weight.
+
+    Per expert this is a linear whose weight is stored [in, out] (see the module docstring),
+    with the expert as a leading group dimension: fprop ``bmm(x, W)``, dgrad
+    ``bmm(dY, permute(W, [0, 2, 1]))``, wgrad ``bmm(permute(x, [0, 2, 1]), dY)``.
+    """
+    found: list[Linear] = []
+    for node in _calls(joint):
+        if is_backward(node) or op_name(node) != "aten.bmm":
+            continue
+        x, w = node.args
+        weight = _uncast(w)
+        if weight.op == "placeholder" and weight.meta["val"].dim() == 3:
+            found.append(Linear(module_path(node), weight, w, x, node, stored_kn=True))
+
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
+    grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
+    for lin in found:
+        grad = grad_of.get(lin.weight)
+        base = _uncast(grad) if isinstance(grad, fx.Node) else None
+        if base is not None and op_name(base) == "aten.bmm" and is_backward(base):
+            xt = _batch_transposed(base.args[0])
+            if xt is not None and _same_value(xt, lin.x):
+                lin.wgrad = base
+    for node in _calls(joint):
+        if not is_backward(node) or op_name(node) != "aten.bmm":
+            continue
+        g, wt = node.args
+        w = _batch_transposed(wt)
+        if w is None:
+            continue
+        candidates = [lin for lin in found if lin.w is w and lin.dgrad is None]
+        if len(candidates) > 1:
+            candidates = [lin for lin in candidates if lin.wgrad is not None and lin.wgrad.args[1] is g]
+        if len(candidates) == 1:
+            candidates[0].dgrad = node
+    return found

@@ -7,6 +7,10 @@ K-major as Hopper's TN-only FP8 GEMMs need:
     dgrad  dX = dY @ W     a = dY rowwise        b = W columnwise (W.T, blocks along N)
     wgrad  dW = dY.T @ X   a = dY columnwise     b = X columnwise (X.T, blocks along M)
 
+A weight stored [in, out] (GPT-2's Conv1D, ``Y = X @ W``) swaps W's two copies (fprop reads the
+columnwise one) and computes dW = X.T @ dY (a = X columnwise, b = dY columnwise), which has W's
+own (K, N) shape.
+
 Quantizes of forward tensors (X, W, both usages) are forward nodes, as in TE, so by default the
 partitioner saves the 1-byte columnwise copies for the backward; the save-original pass may move
 them into the backward instead. Each forward tensor is quantized once per usage, however many
@@ -25,8 +29,9 @@ import torch.fx as fx
 
 from ..config import Config
 from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
-from ..graph.linears import Linear, find_linears
-from ..graph.nodes import VIEWS, module_path, op_name
+from ..graph import gemms
+from ..graph.linears import Linear, find_grouped, find_linears
+from ..graph.nodes import op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _QUANTIZE = torch.ops.graphpass.quantize.default
@@ -37,10 +42,15 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
     if config.fp8 is None:
         return
     quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]] = {}
-    for lin in find_linears(joint):
+    for lin in find_linears(joint) + find_grouped(joint):
         reason = why_not_lowered(lin, config)
         if reason:
-            log.append(f"not lowered: {lin.module or '<root>'}: {reason}")
+            note = f"not lowered: {lin.module or '<root>'}: {reason}"
+            if note not in log:  # a module's experts: several grouped GEMMs, one note
+                log.append(note)
+            for node in (lin.fprop, lin.dgrad, lin.wgrad):
+                if node is not None:
+                    node.meta[gemms.REASON] = reason
             continue
         device = lin.x.meta["val"].device
         try:
@@ -52,26 +62,18 @@ def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         _rewrite(joint, lin, config.fp8, provider.name, quantized)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
-        log.append(f"lowered: {lin.module or '<root>'} ({provider.name}/{config.fp8}{extra})")
-    for module in grouped_gemm_modules(joint):
-        log.append(f"not lowered: {module}: grouped GEMM (bmm over 3-D expert weights) stays in "
-                   "high precision; only nn.Linear-style mm/addmm GEMMs are lowered")
+        note = f"lowered: {lin.module or '<root>'} ({provider.name}/{config.fp8}{extra})"
+        if note not in log:  # a module's experts: several grouped GEMMs, one note
+            log.append(note)
+    # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
+    said = set(log)
+    for gemm in gemms.gemms(joint):
+        note = f"not lowered: {gemm.module or '<root>'}: {gemm.reason}"
+        if gemm.reason is not None and note not in said:
+            said.add(note)
+            log.append(note)
     joint.graph.lint()
     joint.recompile()
-
-
-def grouped_gemm_modules(joint: fx.GraphModule) -> list[str]:
-    """Modules whose forward multiplies by a 3-D weight with bmm (MoE routed experts)."""
-    modules = []
-    for node in joint.graph.nodes:
-        if op_name(node) != "aten.bmm" or node.meta.get("partitioner_tag") == "is_backward":
-            continue
-        weight = node.args[1]
-        while weight.op == "call_function" and op_name(weight) in VIEWS:
-            weight = weight.args[0]
-        if weight.op == "placeholder" and weight.meta["val"].dim() == 3:
-            modules.append(module_path(node))
-    return list(dict.fromkeys(modules))
 
 
 def why_not_lowered(lin: Linear, config: Config) -> str | None:
@@ -82,7 +84,10 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     x, w = lin.x.meta["val"], lin.w.meta["val"]
     if x.dtype not in _HIGH_PRECISION or w.dtype not in _HIGH_PRECISION:
         return f"dtype {x.dtype}/{w.dtype} is not float32, bfloat16 or float16"
-    (m, k), n = x.shape, w.shape[0]
+    # x is (M, K) or, for grouped experts, (groups, M, K); W is (N, K), or (K, N) when stored
+    # [in, out], with the same leading groups.
+    *groups, m, k = x.shape
+    n = w.shape[-1] if lin.stored_kn else w.shape[-2]
     multiple = recipes.requires_divisibility(config.fp8)
     # wgrad contracts over M (tokens), so M needs the same alignment as K and N.
     for dim, size in (("K", k), ("N", n), ("M", m)):
@@ -90,7 +95,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
             return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
         if size % multiple:
             return f"{dim}={size} not a multiple of {multiple}"
-    flops = 2 * m * n * k
+    flops = 2 * m * n * k * (groups[0] if groups else 1)
     if flops < config.fp8_min_gemm_flops:
         return f"GEMM of {flops:,} FLOPs is below fp8_min_gemm_flops={config.fp8_min_gemm_flops:,}"
     return None
@@ -123,20 +128,28 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
         graph.erase_node(old)
 
     fprop = lin.fprop
+    # The GEMMs want W as (N, K) for fprop and (K, N) for dgrad, both K-major. A weight stored
+    # [in, out] (K, N) is the transpose of nn.Linear's: its rowwise copy is what dgrad reads and
+    # its columnwise copy (the quantization of W.T) what fprop reads. Either way W is quantized
+    # from the parameter itself, never from a transposed copy of it.
+    kn = lin.stored_kn
     qx = quantize(lin.x, "input", False, fprop, backward=False)
-    qw = quantize(lin.w, "weight", False, fprop, backward=False)
+    qw = quantize(lin.w, "weight", kn, fprop, backward=False)
     if lin.wgrad is not None:
         qxt = quantize(lin.x, "input", True, fprop, backward=False)
     if lin.dgrad is not None:
-        qwt = quantize(lin.w, "weight", True, fprop, backward=False)
+        qwt = quantize(lin.w, "weight", not kn, fprop, backward=False)
     gemm(fprop, qx, qw, "input,weight", lin.bias, backward=False)
     if lin.dgrad is not None:
         qg = quantize(lin.dgrad.args[0], "grad", False, lin.dgrad, backward=True)
         gemm(lin.dgrad, qg, qwt, "grad,weight", None, backward=True)
-    if lin.wgrad is not None:
+    if lin.wgrad is not None and not kn:
         grad = lin.wgrad.args[0].args[0]  # wgrad reads permute(dY)
         qgt = quantize(grad, "grad", True, lin.wgrad, backward=True)
         gemm(lin.wgrad, qgt, qxt, "grad,input", None, backward=True)
+    elif lin.wgrad is not None:  # dW = X.T @ dY, (K, N) like the stored weight
+        qgt = quantize(lin.wgrad.args[1], "grad", True, lin.wgrad, backward=True)
+        gemm(lin.wgrad, qxt, qgt, "input,grad", None, backward=True)
 
 
 def _canonical(x: fx.Node) -> Any:

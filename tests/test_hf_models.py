@@ -1,0 +1,134 @@
+"""Tiny random-config Hugging Face models (no downloads) compiled with FP8: every GEMM lowered
+or noted, FP8 coverage, and loss and gradients close to eager."""
+
+import importlib
+
+import pytest
+import torch
+
+import graphpass
+from graphpass.pipeline import collect_reports
+from graphpass.report import Report
+
+transformers = pytest.importorskip("transformers")
+
+from test_fp8_coverage import assert_no_silent_gemm  # noqa: E402
+
+VOCAB, SEQ = 256, 64
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                   max_position_embeddings=SEQ)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    # no dropout: the comparison with eager needs the same numbers, and CPU attention with
+    # dropout takes SDPA's math path (bmm), which is not a GEMM against a weight
+    cfg = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                  n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _mixtral(experts="grouped_mm"):
+    cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                     num_local_experts=4, num_experts_per_tok=2,
+                                     max_position_embeddings=SEQ, experts_implementation=experts)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+# float32 Mixtral's experts run transformers' grouped_mm fallback custom op (torch's grouped_mm
+# has no float32 CPU path under compile there); bfloat16 runs aten._grouped_mm.
+MODELS = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral,
+          "mixtral-bf16": lambda: _mixtral().to(torch.bfloat16)}
+
+
+def _compile_step(model, ids, monkeypatch, **options):
+    """One compiled FP8 training step: (loss, gradients, merged report, compiled graphs)."""
+    backend_module = importlib.import_module("graphpass.backend")
+    graphs, real = [], backend_module.partition
+
+    def capturing(*args, **kwargs):
+        graphs.extend(real(*args, **kwargs))
+        return graphs[-2:]
+
+    monkeypatch.setattr(backend_module, "partition", capturing)
+    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss,
+                             backend=graphpass.backend(codegen="eager", kernels="reference",
+                                                       **options))
+    model.zero_grad()
+    with collect_reports() as reports:
+        loss = compiled(ids)
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, Report.merge(reports), graphs
+
+
+def _eager_step(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _not_lowered(report):
+    return sorted({n.split(": ")[1] for n in report.notes if n.startswith("not lowered: ")})
+
+
+_EXPERTS_NOT_LOWERED = pytest.mark.xfail(strict=True, reason=(
+    "issue 11 step 3: grouped expert GEMMs are not lowered yet; they are noted and counted as "
+    "high precision"))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", pytest.param("mixtral", marks=_EXPERTS_NOT_LOWERED),
+                                  pytest.param("mixtral-bf16", marks=_EXPERTS_NOT_LOWERED)])
+def test_coverage_without_excludes(name, monkeypatch):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    _, _, report, graphs = _compile_step(model, ids, monkeypatch, fp8="tensorwise", fp8_exclude=())
+    assert_no_silent_gemm(graphs, report.notes)
+    cov = report.meta["fp8_coverage"]
+    assert cov["fp8_share"] >= 0.97, "\n".join(report.notes)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "mixtral-bf16"])
+def test_default_excludes_leave_only_lm_head_and_routers(name, monkeypatch):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    _, _, report, graphs = _compile_step(model, ids, monkeypatch, fp8="tensorwise")
+    assert_no_silent_gemm(graphs, report.notes)
+    expected = {"lm_head"}
+    if name.startswith("mixtral"):
+        expected |= {f"model.layers.{i}.mlp.gate" for i in range(2)}
+        expected |= {f"model.layers.{i}.mlp.experts" for i in range(2)}  # issue 11 step 3
+    assert {m.removeprefix("G.model.") for m in _not_lowered(report)} == expected, report.notes
+    for note in report.notes:
+        if note.startswith("not lowered: ") and not note.split(": ")[1].endswith("experts"):
+            assert "excluded by pattern" in note, note
+        if note.startswith("not lowered: ") and note.split(": ")[1].endswith("experts"):
+            op = "transformers::grouped_mm_fallback, a custom op" if name == "mixtral" else "torch._grouped_mm"
+            assert note.endswith(f"grouped GEMM ({op}) is not lowered to FP8"), note
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
+def test_loss_and_gradients_close_to_eager(name, monkeypatch):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    ref_loss, ref_grads = _eager_step(model, ids)
+    loss, grads, _, _ = _compile_step(model, ids, monkeypatch, fp8="tensorwise", fp8_exclude=())
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < LOSS_BOUND
+    rel = {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items() if g.norm() > 0}
+    assert set(grads) == set(ref_grads)
+    assert max(rel.values()) < GRAD_BOUND, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
+
+
+# Measured (tensorwise, 2 layers, seed 0): loss within 5e-4 relative, every parameter's gradient
+# within 0.17 (Frobenius, relative; q/k projections worst: E5M2 gradients, compounded over two
+# layers and through attention). Bounds: 10x and 1.5x those.
+LOSS_BOUND, GRAD_BOUND = 0.005, 0.25
