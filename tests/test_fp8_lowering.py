@@ -286,7 +286,10 @@ def test_inlining_keeps_the_users_post_grad_pass_and_skips_block_recipes():
     with inductor_config.patch(post_grad_custom_pre_pass=Count()):
         _, code = _inductor_step(model, inputs, fp8="tensorwise")
         assert len(seen) == 2 and all(seen)  # forward and backward, before the inlining
-        assert "graphpass.quantize" not in code
+        if _compat.inductor_rounds_fused_casts(device_types=["cpu"]):
+            assert "graphpass.quantize" not in code
+        else:  # torch 2.11 on CPU: fusion would change the bits, so each quantize stays one op
+            assert "graphpass.quantize" in code
         _, code = _inductor_step(model, inputs, fp8="blockwise")
         assert "graphpass.quantize" in code  # block recipes stay one op (reference provider)
     assert len(seen) == 4
