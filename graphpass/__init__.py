@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from .backend import backend
 from .config import Config
+from .decisions import Decision, What
 from .pipeline import last_report, partition
 from .plan import plan
 from .report import Report, Row
@@ -17,4 +18,5 @@ from .backend import register as _register
 
 _register()
 
-__all__ = ["backend", "Config", "partition", "plan", "last_report", "Report", "Row", "__version__"]
+__all__ = ["backend", "Config", "Decision", "partition", "plan", "last_report", "Report", "Row",
+           "What", "__version__"]

@@ -114,13 +114,13 @@ def inductor_rounds_fused_casts(*, device_types: Iterable[str]) -> bool:
     return "cpu" not in set(device_types) or TORCH_VERSION >= (2, 13)
 
 
-def assumed_size_notes(assumed: dict[str, list[str]]) -> list[str]:
-    """Report notes for ``assumed_sizes()``: each symbol, the size assumed, where (first three)."""
+def assumed_sizes_why(assumed: dict[str, list[str]]) -> list[str]:
+    """For the report, after ``assumed_sizes()``: each symbol, the size assumed, where (the first
+    three places)."""
     def places(p: list[str]) -> str:
         return ", ".join(p[:3]) + (f" and {len(p) - 3} more" if len(p) > 3 else "")
 
-    return [f"sizes: unbacked {sym} assumed {UNBACKED_SIZE_HINT} in {places(p)}"
-            for sym, p in assumed.items()]
+    return [f"unbacked {sym} assumed {UNBACKED_SIZE_HINT} in {places(p)}" for sym, p in assumed.items()]
 
 
 def min_cut_partition(

@@ -15,6 +15,8 @@ from typing import Iterator
 import torch
 import torch.fx as fx
 
+from .decisions import Decision, What
+
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
@@ -40,7 +42,7 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:
+def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
     """One note per graph with collectives: which, how many, and the bytes each rank receives."""
     notes = []
     for name, gm in (("forward", fw), ("backward", bw)):
@@ -62,5 +64,5 @@ def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:
 
             parts = ", ".join(f"{op} x{n} ({format_bytes(received[op])} out)"
                               for op, n in sorted(counts.items()))
-            notes.append(f"collectives in the {name}: {parts}")
+            notes.append(Decision(What.COLLECTIVES, "distributed", f"{name}: {parts}"))
     return notes

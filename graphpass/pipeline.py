@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
 from .config import Config, given
+from .decisions import Decision, Plan, What
 from .distributed import collective_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
@@ -30,9 +31,9 @@ from .passes.recompute import random_recomputes, recompute, tag
 from .passes.save_original import save_original
 from .report import Report, Row
 
-# Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and logs the
+# Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and records the
 # decisions a user should see; listed in the order they run.
-PASSES: tuple[Callable[[fx.GraphModule, Config, list[str]], None], ...] = (
+PASSES: tuple[Callable[[fx.GraphModule, Plan, Config], None], ...] = (
     canonicalize, lower_fp8, save_original, recompute, offload, plan_memory)
 
 _last_report: Report | None = None
@@ -81,11 +82,9 @@ def _partition(
     primals = [n for n in joint_module.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
     # Positions among the primals: a DTensor parameter flattens into several (torch 2.13+).
     static = _compat.static_primal_positions(primals, list(static_lifetime_input_indices or []))
-    for i in static:
-        primals[i].meta["graphpass_static"] = True
-    log: list[str] = []
+    plan = Plan(parameters={primals[i] for i in static})
     for graph_pass in PASSES:
-        graph_pass(joint_module, config, log)
+        graph_pass(joint_module, plan, config)
     estimated: dict[str, str] = {}
     steps = step_flops(joint_module, estimated)
     fp8_coverage = coverage(joint_module) if config.fp8 else None
@@ -108,23 +107,28 @@ def _partition(
                           static_input_names=static_names, input_sources=sources)
 
     fw, bw = _min_cut_weighing_random_recomputes(
-        joint_module, min_cut, lambda fw, bw: Report(rows=rows_of(fw, bw, {})), log)
-    log += [f"flops: estimated as one per element for {op} ({why})" for op, why in estimated.items()]
+        joint_module, min_cut, lambda fw, bw: Report(rows=rows_of(fw, bw, {})), plan)
+    for op, why in estimated.items():
+        plan.decide(Decision(What.FLOPS_ESTIMATED, "flops", f"{op} ({why})"))
     if (config.codegen == "inductor" and config.fuse_quantize and config.fp8 == "tensorwise"
             and not _compat.inductor_rounds_fused_casts(device_types=[
                 p.meta["val"].device.type for p in primals
                 if isinstance(p.meta.get("val"), torch.Tensor)])):
-        log.append(f"fuse_quantize: off: torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does "
-                   "not round fused bf16 values as eager does, so fused quantizes would not give "
-                   "the recipe's FP8 bits; each quantize runs as one op (torch >= 2.13 fuses them)")
+        plan.decide(Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
+            f"torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does not round fused bf16 "
+            "values as eager does, so fused quantizes would not give the recipe's FP8 bits; each "
+            "quantize runs as one op (torch >= 2.13 fuses them)")))
     if config.report:
         sources = list(_input_sources.get())
         named = dict(zip((p.name for p in primals), sources)) if len(sources) == len(primals) else {}
         rows = rows_of(fw, bw, {k: v for k, v in named.items() if v})
-        notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
-        notes += collective_notes(fw, bw)  # a tensor/sequence-parallel rank's communication
-        report = Report(rows=rows, notes=log + notes + _compat.assumed_size_notes(assumed),
-                        meta=_meta(config))
+        outcome, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
+        decisions = [*plan.decisions, *outcome,
+                     *collective_notes(fw, bw),  # a tensor/sequence-parallel rank's communication
+                     *(Decision(What.SIZES_ASSUMED, "sizes", why)
+                       for why in _compat.assumed_sizes_why(assumed))]
+        report = Report(rows=rows, notes=[str(d) for d in decisions], meta=_meta(config),
+                        decisions=decisions)
         report.meta.update(step_flops=steps, recompute_flops=recompute_flops)
         if fp8_coverage is not None:
             report.meta["fp8_coverage"] = fp8_coverage
@@ -136,7 +140,7 @@ def _min_cut_weighing_random_recomputes(
     joint: fx.GraphModule,
     min_cut: Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]],
     saved: Callable[[fx.GraphModule, fx.GraphModule], Report],
-    log: list[str],
+    plan: Plan,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """torch's min-cut; where the user's selection recomputes random ops, the cheaper plan.
 
@@ -155,8 +159,9 @@ def _min_cut_weighing_random_recomputes(
         return recomputing
     rng = recomputing_saved.bytes_by("kind").get("rng_state", 0)
     ops = sorted({f"{op_name(n)} in {module_path(n) or '(top level)'}" for n in random})
-    log.append(f"recompute: kept saved, not recomputed: {', '.join(ops)}; recomputing would save "
-               f"their RNG state ({rng:,} B) and {more:,} B more in all")
+    plan.decide(Decision(What.KEPT_SAVED, "recompute", (
+        f"{', '.join(ops)}; recomputing would save their RNG state ({rng:,} B) and {more:,} B "
+        "more in all")))
     return kept
 
 
@@ -170,7 +175,8 @@ def _keeping_saved(joint: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModul
                                         if u.target is operator.getitem}
     for node in graph.nodes:
         if node.name in names:
-            tag(node, CheckpointPolicy.MUST_SAVE, "saved: recomputing it would save more")
+            tag(node, CheckpointPolicy.MUST_SAVE, Decision(
+                What.SAVED, "recompute", "recomputing it would save more", node=node.name))
     copy = fx.GraphModule(joint, graph)
     copy.meta.update(joint.meta)
     return copy

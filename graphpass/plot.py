@@ -10,7 +10,8 @@ from .report import Report, Row, format_bytes
 from .testing.assertions import is_offloaded, is_recomputed
 from .testing.snapshot import OUTSIDE_LAYERS, natural_key
 
-# Stacked bottom to top; hatched kinds do not occupy device memory.
+# Stacked bottom to top. Offloaded values (hatched) do not occupy device memory; recomputed ones
+# (dotted) are what a recompute saves for itself: the RNG state a random op is replayed under.
 CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("activation bfloat16", "#4c72b0", ""),
     ("activation float32", "#8fb3de", ""),

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .decisions import Decision, What
+
 KINDS = ("activation", "fp8_data", "fp8_scale", "rng_state", "symint", "parameter", "other")
 
 
@@ -28,7 +30,8 @@ class Row:
     tensor_bytes: int
     kind: str
     consumers: tuple[str, ...] = ()
-    decision: str = "saved"
+    decisions: tuple[Decision, ...] = ()
+    """What the passes decided for this value (FP8 copy, kept saved, offload, recompute)."""
     alias_of: str = ""
     copy_of: str = ""
     """For an FP8 copy: the name of the high-precision tensor it quantizes."""
@@ -39,6 +42,38 @@ class Row:
     def is_activation(self) -> bool:
         """Counted in device activation memory: not a parameter, not offloaded."""
         return self.kind != "parameter" and not self.offloaded
+
+    @property
+    def decision(self) -> str:
+        """The decisions as the report shows them: ``fp8 copy (input); offload: no (parameter)``."""
+        return "; ".join(map(str, self.decisions)) or "saved"
+
+    def decided(self, *whats: What) -> bool:
+        """Whether a pass decided one of ``whats`` for this value."""
+        return any(d.what in whats for d in self.decisions)
+
+    def to_dict(self) -> dict[str, Any]:
+        """For JSON: the fields, with the decisions both as shown (``decision``) and typed."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "decisions":
+                out["decision"] = self.decision
+                out["decisions"] = [d.to_dict() for d in self.decisions]
+            else:
+                out[f.name] = getattr(self, f.name)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Row":
+        fields = {k: v for k, v in data.items() if k not in ("decision", "decisions")}
+        if "decisions" in data:
+            decisions = tuple(Decision.from_dict(d) for d in data["decisions"])
+        else:
+            # a report written before decisions were typed: its text, shown as it was
+            text = data.get("decision", "saved")
+            decisions = () if text == "saved" else (Decision(What.SAVED, "", text),)
+        return cls(**{**fields, "shape": tuple(data["shape"]), "consumers": tuple(data["consumers"]),
+                      "decisions": decisions})
 
 
 class SavedTotals:
@@ -70,6 +105,8 @@ class Report(SavedTotals):
     notes: list[str] = field(default_factory=list)
     graphs: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
+    decisions: list[Decision] = field(default_factory=list)
+    """The passes' decisions behind ``notes`` (each note is one rendered), for code to read."""
 
     def _saved(self) -> list[Row]:
         return self.rows
@@ -111,6 +148,7 @@ class Report(SavedTotals):
                 for r in rep.rows
             ]
             merged.notes += rep.notes
+            merged.decisions += rep.decisions
             merged.graphs += rep.graphs
             for key in ("step_flops", "recompute_flops"):
                 if i and key in rep.meta:
@@ -128,8 +166,9 @@ class Report(SavedTotals):
             "graphs": self.graphs,
             "activation_bytes": self.activation_bytes,
             "parameter_bytes": self.parameter_bytes,
-            "rows": [dataclasses.asdict(r) for r in self.rows],
+            "rows": [r.to_dict() for r in self.rows],
             "notes": self.notes,
+            "decisions": [d.to_dict() for d in self.decisions],
         }
 
     def to_json(self, **kw: Any) -> str:
@@ -137,12 +176,9 @@ class Report(SavedTotals):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Report":
-        rows = [
-            Row(**{**r, "shape": tuple(r["shape"]), "consumers": tuple(r["consumers"])})
-            for r in data["rows"]
-        ]
-        return cls(rows=rows, notes=list(data.get("notes", [])), graphs=data.get("graphs", 1),
-                   meta=dict(data.get("meta", {})))
+        return cls(rows=[Row.from_dict(r) for r in data["rows"]], notes=list(data.get("notes", [])),
+                   graphs=data.get("graphs", 1), meta=dict(data.get("meta", {})),
+                   decisions=[Decision.from_dict(d) for d in data.get("decisions", [])])
 
     @classmethod
     def from_json(cls, text: str) -> "Report":

@@ -283,7 +283,7 @@ def test_act_is_the_whole_chain_between_the_gemms_wherever_it_is_called():
     cfg = dict(fp8="tensorwise", memory="auto")
     joints = []
     original = pipeline.PASSES
-    pipeline.PASSES = (*original[:1], lambda joint, config, log: joints.append(Regions(joint)))
+    pipeline.PASSES = (*original[:1], lambda joint, plan, config: joints.append(Regions(joint)))
     try:
         graphpass.plan(model, x, config=graphpass.Config(**cfg, recompute=("act",)))
     finally:
@@ -338,6 +338,20 @@ def test_recomputed_attention_counts_its_flops():
     b, h, s, d = 2, 4, 64, 64
     assert report.meta["recompute_flops"] >= 4 * b * h * s * s * d
     assert "recomputed: aten::_scaled_dot_product_flash_attention_for_cpu under its saved RNG state in backward: layers.0.self_attn" in report.notes
+
+
+def test_the_rng_state_of_a_recomputed_attention_is_a_recomputed_row():
+    """torch saves an RNG state for each attention core_attn recomputes: that row is saved for the
+    recompute and says so, typed, so assertions and plots read it without parsing text."""
+    from graphpass.testing import is_offloaded, is_recomputed
+
+    report = _plan(llama, dict(recompute=("core_attn",)), layers=1, seq=64)
+    rng = [r for r in report.rows if r.kind == "rng_state"]
+    assert len(rng) == 1 and is_recomputed(rng[0]) and not is_offloaded(rng[0])
+    assert rng[0].decision == "recomputed: core_attn (replayed under this RNG state)"
+    assert [(d.what, d.by) for d in rng[0].decisions] == [
+        (graphpass.What.RECOMPUTED, "recompute core_attn")]
+    assert [r for r in report.rows if is_recomputed(r)] == rng
 
 
 def test_a_flop_formula_that_fails_is_a_note(monkeypatch):

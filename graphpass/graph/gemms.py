@@ -4,8 +4,8 @@ no high-precision GEMM goes unmentioned when ``fp8`` is on.
 
 A GEMM runs in FP8 when it is a ``graphpass::fp8_gemm`` (our lowering) or one of torch's scaled
 GEMMs the model calls itself. Any other GEMM-like op keeps its input precision; its reason is the
-one the FP8 lowering recorded on the node (``REASON``, e.g. an excluded or misaligned linear), or
-else the form of the GEMM, read from its operands.
+one the FP8 lowering recorded on the node (``NodeFacts.not_lowered``, e.g. an excluded or
+misaligned linear), or else the form of the GEMM, read from its operands.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
+from ..decisions import facts
 from .flops import node_flops
 from .nodes import VIEWS, is_backward, module_path, op_name
 
@@ -37,8 +38,6 @@ GEMM_OPS = GEMM_OPS | frozenset(_LIBRARY_GEMMS)
 _FP8_OPS = frozenset({"graphpass.fp8_gemm", "aten._scaled_mm", "aten._scaled_mm_v2",
                       "aten._scaled_grouped_mm", "aten._scaled_grouped_mm_v2"})
 PHASES = ("forward", "dgrad", "wgrad")
-REASON = "graphpass_fp8_reason"
-"""Node meta key: why the FP8 lowering left this GEMM in high precision (set by lower_fp8)."""
 
 _ROLES_PHASE = {"input,weight": "forward", "grad,weight": "dgrad", "grad,input": "wgrad",
                 "input,grad": "wgrad"}
@@ -115,8 +114,8 @@ def gemms(joint: fx.GraphModule) -> list[Gemm]:
             phase = "wgrad" if node in wgrads else "dgrad"
         reason = None
         if name not in _FP8_OPS:
-            if REASON in node.meta:
-                reason = node.meta[REASON]
+            if facts(node).not_lowered:
+                reason = facts(node).not_lowered
             elif phase == "forward":
                 reason = _form(node)
             else:  # a backward GEMM shares its forward GEMM's sequence number

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..config import Config
+from ..decisions import Decision, Plan, Quantized, What, record
 from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
 from ..graph import gemms
 from ..graph.linears import Linear, find_grouped, find_linears
@@ -38,40 +39,34 @@ _QUANTIZE = torch.ops.graphpass.quantize.default
 _GEMM = torch.ops.graphpass.fp8_gemm.default
 
 
-def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
     quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]] = {}
     for lin in find_linears(joint) + find_grouped(joint):
         reason = why_not_lowered(lin, config)
         if reason:
-            note = f"not lowered: {lin.module or '<root>'}: {reason}"
-            if note not in log:  # a module's experts: several grouped GEMMs, one note
-                log.append(note)
+            plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)
             for node in (lin.fprop, lin.dgrad, lin.wgrad):
                 if node is not None:
-                    node.meta[gemms.REASON] = reason
+                    record(node, not_lowered=reason)
             continue
         device = lin.x.meta["val"].device
         try:
             provider, why = providers.resolve(config.kernels, config.fp8, device)
         except ValueError as e:
             raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
-        if why and f"kernels: {why}" not in log:
-            log.append(f"kernels: {why}")
+        if why:
+            plan.decide(Decision(What.KERNELS, "fp8", why), once=True)
         _rewrite(joint, lin, config.fp8, provider.name, quantized)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
-        note = f"lowered: {lin.module or '<root>'} ({provider.name}/{config.fp8}{extra})"
-        if note not in log:  # a module's experts: several grouped GEMMs, one note
-            log.append(note)
+        plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{config.fp8}{extra}", lin.module),
+                    once=True)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
-    said = set(log)
     for gemm in gemms.gemms(joint):
-        note = f"not lowered: {gemm.module or '<root>'}: {gemm.reason}"
-        if gemm.reason is not None and note not in said:
-            said.add(note)
-            log.append(note)
+        if gemm.reason is not None:
+            plan.decide(Decision(What.NOT_LOWERED, "fp8", gemm.reason, gemm.module), once=True)
     joint.graph.lint()
     joint.recompile()
 
@@ -113,10 +108,9 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
                 q = _call(graph, _QUANTIZE, (x, recipe, role, usage), before, backward)
                 data = _call(graph, operator.getitem, (q, 0), before, backward)
                 scale = _call(graph, operator.getitem, (q, 1), before, backward)
-            scale.meta["graphpass_kind"] = "fp8_scale"
             for node in (q, data, scale):
-                node.meta["graphpass_fp8"] = {"role": role, "columnwise": columnwise,
-                                              "source": x, "recipe": recipe}
+                record(node, quantized=Quantized(role, columnwise, x, recipe))
+            record(scale, fp8_scale=True)
             quantized[key] = (data, scale)
         return quantized[key]
 

@@ -15,33 +15,33 @@ import torch.fx as fx
 
 from .._compat import size_hint
 from ..config import Config
+from ..decisions import Decision, Plan, What, facts, record
 from ..graph.nodes import VIEWS, is_backward, module_path, op_name
 from ..report import format_bytes
 
 
-
-def offload(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
-    static = {n for n in joint.graph.find_nodes(op="placeholder") if n.meta.get("graphpass_static")}
+def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     for node in joint.graph.nodes:
         if node.op not in ("placeholder", "call_function") or is_backward(node):
             continue
-        reason = why_not_offloaded(node, config, is_parameter=node in static)
-        node.meta["graphpass_offload"] = f"offload: no ({reason})" if reason else (
-            "offload: yes" if config.offload else "offload: eligible")
+        reason = why_not_offloaded(node, config, is_parameter=node in plan.parameters)
+        what = (What.NOT_OFFLOADED if reason else What.OFFLOAD if config.offload
+                else What.OFFLOAD_ELIGIBLE)
+        record(node, offload=Decision(what, "offload", reason or "", node=node.name))
         if config.offload and not reason:
             node.meta["should_offload"] = True
 
 
 def why_not_offloaded(node: fx.Node, config: Config, *, is_parameter: bool) -> str | None:
     val = node.meta.get("val")
-    fp8 = node.meta.get("graphpass_fp8", {})
+    known = facts(node)
     if is_parameter:
         return "parameter"
     if not isinstance(val, torch.Tensor):
         return "not a tensor"
-    if fp8.get("role") == "weight":
+    if known.quantized is not None and known.quantized.role == "weight":
         return "quantized weight"
-    if node.meta.get("graphpass_kind") == "fp8_scale":
+    if known.fp8_scale:
         return "FP8 scale"
     nbytes = size_hint(val.numel(), where=f"offload's size of {node.name}") * val.element_size()
     if nbytes < config.offload_min_bytes:

@@ -25,12 +25,13 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import Config
+from ..decisions import FACTS, Plan, facts
 from ..graph.nodes import is_backward, module_path, op_name
 
 _QUANTIZE = torch.ops.graphpass.quantize.default
 
 
-def save_original(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+def save_original(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
     rowwise: dict[tuple[fx.Node, str], fx.Node] = {}
@@ -53,7 +54,6 @@ def save_original(joint: fx.GraphModule, config: Config, log: list[str]) -> None
         if policy == "always":
             for node in (col, *col.users):
                 node.meta["partitioner_tag"] = "must_be_in_backward"
-                node.meta["graphpass_fp8"]["decision"] = "save original"
         elif policy == "never" and (x, role) in rowwise:
             _merge(joint.graph, rowwise[(x, role)], col)
     joint.graph.lint()
@@ -78,8 +78,7 @@ def _merge(graph: fx.Graph, row: fx.Node, col: fx.Node) -> None:
         for user in list(old.users):
             index = user.args[1]
             new = outs[offset + index]
-            new.meta.update({k: v for k, v in user.meta.items() if k.startswith("graphpass")})
-            new.meta["graphpass_fp8"] = {**user.meta.get("graphpass_fp8", {}), "decision": "fp8 copy"}
+            new.meta[FACTS] = facts(user)  # which usage it is, a scale or not
             user.replace_all_uses_with(new)
             graph.erase_node(user)
         graph.erase_node(old)
