@@ -5,12 +5,12 @@
     print(graphpass.last_report())
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .backend import backend
 from .config import Config
 from .decisions import Decision, What
-from .pipeline import last_report, partition
+from .pipeline import partition
+from .reporting import last_report
 from .plan import plan
 from .report import Report, Row
 

@@ -280,6 +280,12 @@ def dtensor_from_local(local: torch.Tensor, like: Any) -> Any:
                               shape=like.shape, stride=like.stride())
 
 
+def primals(joint: fx.GraphModule) -> list[fx.Node]:
+    """The forward inputs of an AOTAutograd joint graph: its placeholders but the tangents, which
+    AOTAutograd names ``tangents_N``."""
+    return [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+
+
 def static_primal_positions(primals: list[fx.Node], static: list[int]) -> list[int]:
     """Positions among the joint graph's primals of the inputs torch calls static (parameters,
     buffers). ``static`` counts AOTAutograd's inputs before tensor subclasses are flattened:

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 
 from . import _compat
 from .config import Config
-from .pipeline import input_sources, partition
+from .pipeline import run
+from .report import Report
+from .reporting import remember
+
+# The user's names of the inputs of the graph being compiled (dynamo's sources), for the report's
+# parameter rows: set around a compile, read by the partitioner that compile calls.
+_input_sources: contextvars.ContextVar[Sequence[str | None]] = contextvars.ContextVar(
+    "graphpass_input_sources", default=())
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,13 +35,24 @@ def _source_hash() -> str:
 
 
 class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
-    """graphpass's partition as Inductor's ``custom_partitioner_fn``."""
+    """graphpass's partition as Inductor's ``custom_partitioner_fn``; keeps the report of every
+    graph it partitions (``reports``), in order."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.reports: list[Report] = []
 
-    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        return partition(gm, joint_inputs, config=self.config, **kwargs)
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], *,
+                 num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
+                 compiler: str = "inductor") -> tuple[fx.GraphModule, fx.GraphModule]:
+        fw, bw, report = run(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                             static_lifetime_input_indices=static_lifetime_input_indices,
+                             config=self.config, compiler=compiler,
+                             input_sources=_input_sources.get())
+        if report is not None:
+            self.reports.append(report)
+            remember(report)
+        return fw, bw
 
     def uuid(self) -> str:
         from .fp8.providers import environment_key
@@ -57,9 +77,15 @@ class Backend:
         args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"graphpass.backend({args})"
 
+    def report(self) -> Report | None:
+        """What every graph this backend partitioned saves, merged: a model with graph breaks
+        compiles to several graphs (and a break repeated per layer, to one graph per layer), all
+        of which run. ``None`` before the first backward graph."""
+        reports = self.partitioner.reports
+        return Report.merge(reports) if reports else None
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        sources = [_compat.placeholder_source(n) for n in gm.graph.find_nodes(op="placeholder")]
-        with input_sources(sources):
+        with input_sources(gm):
             if self.config.codegen == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
@@ -113,6 +139,17 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner
             partition_fn=_compat.inductor_partition_fn(),
             decompositions=select_decomp_table,
         )(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def input_sources(gm: fx.GraphModule) -> Iterator[None]:
+    """Around the compile of dynamo's graph ``gm``: its inputs' sources, for the partitioner."""
+    token = _input_sources.set([_compat.placeholder_source(n)
+                                for n in gm.graph.find_nodes(op="placeholder")])
+    try:
+        yield
+    finally:
+        _input_sources.reset(token)
 
 
 def backend(**options: Any) -> Backend:

@@ -121,11 +121,13 @@ def record(node: fx.Node, **changes: Any) -> None:
 
 @dataclass
 class Plan:
-    """What the passes share while they run over one joint graph: the graph inputs that are
-    parameters, and the decisions for the report's notes, in the order they were made."""
+    """What the passes share while they run over one joint graph: its inputs, and the decisions
+    for the report's notes, in the order they were made."""
 
+    primals: list[fx.Node] = field(default_factory=list)
+    """The joint graph's forward inputs (its other placeholders are the backward's tangents)."""
     parameters: set[fx.Node] = field(default_factory=set)
-    """Placeholders torch treats as parameters or buffers (static inputs)."""
+    """The primals torch treats as parameters or buffers (static inputs)."""
     decisions: list[Decision] = field(default_factory=list)
 
     def decide(self, decision: Decision, *, once: bool = False) -> None:

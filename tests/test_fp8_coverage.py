@@ -24,14 +24,14 @@ def _compiled_graphs(monkeypatch):
     """Capture the forward and backward modules every partition returns."""
     graphs = []
     backend_module = importlib.import_module("graphpass.backend")  # graphpass.backend is the function
-    real = backend_module.partition
+    real = backend_module.run
 
     def capturing(*args, **kwargs):
-        fw, bw = real(*args, **kwargs)
-        graphs.extend((fw, bw))
-        return fw, bw
+        partition = real(*args, **kwargs)
+        graphs.extend((partition.forward, partition.backward))
+        return partition
 
-    monkeypatch.setattr(backend_module, "partition", capturing)
+    monkeypatch.setattr(backend_module, "run", capturing)
     return graphs
 
 

@@ -156,24 +156,24 @@ def test_offload_moves_only_eligible_tensors():
 
 
 def test_offload_opt_out_and_graph_contents():
-    from graphpass.pipeline import partition
+    from graphpass.pipeline import run
 
     captured = {}
 
     def spy(*args, **kwargs):
-        fw, bw = partition(*args, **kwargs)
-        captured["fw"], captured["bw"] = fw, bw
-        return fw, bw
+        partition = run(*args, **kwargs)
+        captured["fw"], captured["bw"] = partition.forward, partition.backward
+        return partition
 
     import importlib
     backend_module = importlib.import_module("graphpass.backend")
-    original = backend_module.partition
-    backend_module.partition = spy
+    original = backend_module.run
+    backend_module.run = spy
     try:
         _compiled_grads(llama, dict(offload=True, offload_min_bytes=65536, memory="default",
                                     offload_exclude=("layers.0.mlp.*",)), seq=64)
     finally:
-        backend_module.partition = original
+        backend_module.run = original
     fw_names = [n.name for n in captured["fw"].graph.nodes]
     bw_names = [n.name for n in captured["bw"].graph.nodes]
     offloads = [n for n in fw_names if n.startswith("cpu_offload_")]
