@@ -87,17 +87,13 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         with input_sources(gm):
             if self.config.codegen == "inductor":
-                from torch._inductor.compile_fx import compile_fx
-
-                return compile_fx(gm, example_inputs,
-                                  config_patches=self._inductor_patches(example_inputs))
+                return _compat.compile_fx(gm, example_inputs,
+                                          config_patches=self._inductor_patches(example_inputs))
             return eager_compile(gm, example_inputs, self.partitioner, runs=True)
 
     def _inductor_patches(self, example_inputs: Sequence[Any]) -> dict[str, Any]:
         """Inductor settings for one compile: our partitioner, and the quantize inlining where
         Inductor keeps its bits exact on every device of the graph (the pipeline notes when not)."""
-        from torch._inductor import config as inductor_config
-
         from .fp8.inductor import INLINED_RECIPES, post_grad_pass
 
         patches: dict[str, Any] = {"custom_partitioner_fn": self.partitioner}
@@ -105,7 +101,7 @@ class Backend:
             device_types=[x.device.type for x in example_inputs if isinstance(x, torch.Tensor)])
         if self.config.fuse_quantize and self.config.fp8 in INLINED_RECIPES and exact:
             patches["post_grad_custom_pre_pass"] = post_grad_pass(
-                _source_hash(), inductor_config.post_grad_custom_pre_pass)
+                _source_hash(), _compat.inductor_config().post_grad_custom_pre_pass)
             patches["emulate_precision_casts"] = True
         return patches
 
@@ -124,20 +120,17 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner
     ignores its seed, so a mask recomputed in the backward would differ from the forward's.
     """
     from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor import config as inductor_config
-    from torch._inductor.decomposition import select_decomp_table
 
     def run_as_is(graph: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
         return make_boxed_func(graph.forward)
 
-    with inductor_config.patch(custom_partitioner_fn=partitioner, joint_graph_constant_folding=False,
-                               fallback_random=runs):
-        return aot_autograd(
+    with _compat.inductor_config().patch(custom_partitioner_fn=partitioner,
+                                         joint_graph_constant_folding=False, fallback_random=runs):
+        return _compat.aot_autograd(
             fw_compiler=run_as_is,
             bw_compiler=run_as_is,
             partition_fn=_compat.inductor_partition_fn(),
-            decompositions=select_decomp_table,
+            decompositions=_compat.inductor_decompositions(),
         )(gm, example_inputs)
 
 
@@ -174,9 +167,5 @@ def register() -> None:
     """
     from importlib.metadata import entry_points
 
-    from torch._dynamo.backends import registry
-
-    if entry_points(group="torch_dynamo_backends", name="graphpass"):
-        return
-    if "graphpass" not in registry._COMPILER_FNS:
-        registry.register_backend(compiler_fn=default_backend, name="graphpass")
+    if not entry_points(group="torch_dynamo_backends", name="graphpass"):
+        _compat.register_backend("graphpass", default_backend)

@@ -1,5 +1,5 @@
-"""Distributed training under graphpass: a fake process group for per-rank planning, and the
-report's note naming the collectives each graph runs.
+"""Distributed training under graphpass: a fake process group for per-rank planning (the report
+names each graph's collectives: ``graph/collectives.py``).
 
 Tensor- and sequence-parallel blocks (DTensor) trace into graphs with torch's functional
 collectives (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``, ...) and
@@ -9,13 +9,9 @@ per-rank shapes; graphpass partitions them like any other graph, so its report i
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from typing import Iterator
 
-import torch
-import torch.fx as fx
-
-from .decisions import Decision, What
+from . import _compat
 
 
 @contextlib.contextmanager
@@ -33,36 +29,8 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
             "call fake_process_group() in a process that has none")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank {rank} of world_size {world_size}")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=_compat.fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
-    """One note per graph with collectives: which, how many, and the bytes each rank receives."""
-    notes = []
-    for name, gm in (("forward", fw), ("backward", bw)):
-        counts: Counter[str] = Counter()
-        received: Counter[str] = Counter()
-        for node in gm.graph.nodes:
-            target = node.target
-            if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-                continue
-            if target.namespace != "_c10d_functional" or target.__name__.startswith("wait_tensor"):
-                continue
-            op = target.__name__.split(".")[0]
-            counts[op] += 1
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                received[op] += val.numel() * val.element_size()
-        if counts:
-            from .report import format_bytes
-
-            parts = ", ".join(f"{op} x{n} ({format_bytes(received[op])} out)"
-                              for op, n in sorted(counts.items()))
-            notes.append(Decision(What.COLLECTIVES, "distributed", f"{name}: {parts}"))
-    return notes

@@ -19,7 +19,7 @@ from . import _compat
 from .config import Config
 from .decisions import Decision, Plan, What
 from .graph.nodes import module_path, op_name
-from .passes.recompute import random_recomputes, tag
+from .passes.tags import random_recomputes, tag
 from .report import Report
 
 Partitioned = tuple[fx.GraphModule, fx.GraphModule]

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .backend import Partitioner, eager_compile, input_sources
 from .config import Config, given
@@ -29,7 +28,7 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
         raise ValueError(f"graphpass.plan takes an nn.Module, not {type(module).__name__}; wrap a "
                          "function in a module, or trace it with graphpass.partition "
                          "(docs/traced-graphs.md)")
-    mode = FakeTensorMode()
+    mode = _compat.fake_tensor_mode()
     with mode:
         fake_module = _to_fake(module)
         fake_inputs = [_fake_like(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]

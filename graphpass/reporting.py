@@ -16,7 +16,7 @@ from . import _compat
 from ._version import __version__
 from .config import Config
 from .decisions import Decision, Plan, What
-from .distributed import collective_notes
+from .graph.collectives import collective_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
 from .graph.outcome import outcome_notes

@@ -15,7 +15,7 @@ from graphpass import Decision, Report, Row, What
 from graphpass.cli import main
 from graphpass.cli_flags import config_flags
 from graphpass.config import CHOICES, Config
-from graphpass.plot import category
+from graphpass.report.plot import category
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

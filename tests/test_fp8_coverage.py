@@ -11,7 +11,8 @@ import torch.nn as nn
 import importlib
 
 import graphpass
-from graphpass.graph.gemms import GEMM_OPS, coverage_lines
+from graphpass.graph.ops import GEMM_OPS
+from graphpass.report.coverage import coverage_lines
 from graphpass.graph.nodes import module_path, op_name
 from graphpass.report import Report
 from examples import deepseek, gpt, llama

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from . import ops
 
 INLINED_RECIPES = ("tensorwise",)
@@ -35,14 +36,12 @@ INLINED_RECIPES = ("tensorwise",)
 @functools.lru_cache(maxsize=1)
 def _patterns() -> Any:
     """The pattern pass, built on first use (importing Inductor's pattern matcher is slow)."""
-    from torch._inductor.pattern_matcher import (CallFunction, KeywordArg, PatternMatcherPass,
-                                                 register_graph_pattern)
+    pm = _compat.inductor_pattern_matcher()
+    patterns = pm.PatternMatcherPass(pass_name="graphpass_inline_quantize")
 
-    patterns = PatternMatcherPass(pass_name="graphpass_inline_quantize")
-
-    @register_graph_pattern(
-        CallFunction(torch.ops.graphpass.quantize.default, KeywordArg("x"), KeywordArg("recipe"),
-                     KeywordArg("role"), KeywordArg("usage")),
+    @pm.register_graph_pattern(
+        pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
+                        pm.KeywordArg("role"), pm.KeywordArg("usage")),
         extra_check=lambda match: match.kwargs["recipe"] in INLINED_RECIPES,
         pass_dict=patterns,
     )
@@ -60,12 +59,10 @@ def inline_quantizes(graph: fx.Graph) -> int:
 def post_grad_pass(source_hash: str, user_pass: Any) -> Any:
     """An Inductor ``post_grad_custom_pre_pass`` that inlines quantizes after ``user_pass`` (the
     one already configured, if any: a pass or a list of them, kept and run first)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
     user_passes = [] if user_pass is None else (
         list(user_pass) if isinstance(user_pass, (list, tuple)) else [user_pass])
 
-    class InlineQuantize(CustomGraphPass):  # type: ignore[misc]
+    class InlineQuantize(_compat.custom_graph_pass_base()):  # type: ignore[misc]
         def __call__(self, graph: fx.Graph) -> None:
             for p in user_passes:
                 p(graph)

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..decisions import Decision, What, facts
 from .flops import node_flops
 from .nodes import module_path, op_name
-
-
-# Ops too cheap to mention when they are recomputed: views, casts, tuple access.
-_BOOKKEEPING = ("getitem", "aten.view", "aten.permute", "aten.t", "aten.expand", "aten.reshape",
-                "aten._unsafe_view", "aten.unsqueeze", "aten.squeeze", "aten.slice", "aten.select",
-                "aten.transpose", "aten.alias", "prims.convert_element_type", "aten.clone")
+from .ops import BOOKKEEPING
 
 
 def outcome_notes(fw: fx.GraphModule, bw: fx.GraphModule, *,
@@ -32,23 +27,23 @@ def outcome_notes(fw: fx.GraphModule, bw: fx.GraphModule, *,
         if op_name(node) == "higher_order.run_with_rng_state":
             # an op torch treats as random (attention), rebuilt by the partitioner without our
             # metadata: name it by its op and by the module of the tensors it reads
-            op = next(a for a in node.args if isinstance(a, torch._ops.OpOverload))
+            op = next(a for a in node.args if _compat.is_op_overload(a))
             module = next((module_path(a) for a in node.args[2:] if isinstance(a, fx.Node)), "")
             replayed = Decision(What.RECOMPUTED, "partitioner", f"{op.name()} under its saved RNG state")
             recomputed.setdefault(replayed.why, (replayed, set()))[1].add(module or "(top level)")
             flops += node_flops(node)
             continue
-        if node.op != "call_function" or node.meta.get("partitioner_tag") not in (
-                "is_forward", "must_be_in_backward"):
+        side = _compat.partition_side(node)
+        if node.op != "call_function" or side not in ("is_forward", "must_be_in_backward"):
             continue
         quantized = facts(node).quantized
         if (quantized is not None and op_name(node) == "graphpass.quantize" and quantized.columnwise
                 and quantized.role == "input"):
             requantized.append(module_path(node))
-        if node.meta.get("partitioner_tag") == "is_forward":
+        if side == "is_forward":
             flops += node_flops(node)
             decision = recompute_decision(node)
-            if op_name(node) not in _BOOKKEEPING and decision.what is What.RECOMPUTED:
+            if op_name(node) not in BOOKKEEPING and decision.what is What.RECOMPUTED:
                 recomputed.setdefault(decision.why, (decision, set()))[1].add(
                     module_path(node) or "(top level)")
     notes = [Decision(What.REQUANTIZED, "save original", module=m)
@@ -64,7 +59,7 @@ def recompute_decision(node: fx.Node) -> Decision:
     decision = facts(node).recompute
     if decision is not None:
         return decision
-    if "ac_graph_id" in node.meta:
+    if _compat.in_user_checkpoint(node):
         return Decision(What.RECOMPUTED, "your checkpoint", "your checkpoint", node=node.name)
     return Decision(What.RECOMPUTED, "partitioner", "partitioner's choice", node=node.name)
 

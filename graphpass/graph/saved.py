@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .._compat import size_hint, storage_id
+from .._compat import offloaded_source, size_hint, storage_id
 from ..decisions import Decision, What, facts
 from ..report import Row
 from .nodes import module_path, normalize_path, op_name, producer, tensor_val
+from .ops import RNG_MARKERS, SAME_DATA
 from .outcome import rng_state_decision
 
-_RNG_MARKERS = ("rng", "seed", "philox")
 
 
 def saved_rows(
@@ -57,7 +57,7 @@ def saved_rows(
         if sid is not None and not alias_of:
             first_of_storage[sid] = node.name
         kind = _kind(node, val, is_param=sid in param_storages)
-        offloaded = _offloaded_source(node)
+        offloaded = offloaded_source(node)
         source = offloaded or node
         path = module_path(source) or normalize_path(input_sources.get(source.name, ""), of_module=False)
         rows.append(
@@ -81,13 +81,6 @@ def saved_rows(
     return rows
 
 
-def _offloaded_source(node: fx.Node) -> fx.Node | None:
-    """The tensor a ``cpu_offload_*`` node (torch's activation offloading) moves to the host."""
-    if op_name(node) == "prims.device_put" and node.name.startswith("cpu_offload_"):
-        return node.args[0]
-    return None
-
-
 def _decisions(node: fx.Node) -> tuple[Decision, ...]:
     """What the passes decided for a saved value. The RNG state torch saves for a recomputed
     random op is saved for that recompute, so it carries the op's recompute decision."""
@@ -105,13 +98,9 @@ def _decisions(node: fx.Node) -> tuple[Decision, ...]:
     return tuple(decisions)
 
 
-_SAME_DATA = ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.permute", "aten.t",
-              "aten.transpose", "aten.clone", "aten.expand", "aten.contiguous")
-
-
 def _origin(node: fx.Node) -> fx.Node:
     """The tensor whose data ``node`` holds, through views, copies and re-layouts."""
-    while node.op == "call_function" and op_name(node) in _SAME_DATA:
+    while node.op == "call_function" and op_name(node) in SAME_DATA:
         node = node.args[0]
     return node
 
@@ -133,7 +122,7 @@ def _kind(node: fx.Node, val: torch.Tensor, *, is_param: bool) -> str:
         return "fp8_scale"
     if val.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return "fp8_data"
-    if any(m in op_name(producer(node)) for m in _RNG_MARKERS):
+    if any(m in op_name(producer(node)) for m in RNG_MARKERS):
         return "rng_state"
     return "activation"
 

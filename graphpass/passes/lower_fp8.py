@@ -27,16 +27,16 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, Quantized, What, record
-from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
+from ..fp8 import providers, recipes
+from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
 from ..graph.linears import Linear, find_grouped, find_linears
 from ..graph.nodes import op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-_QUANTIZE = torch.ops.graphpass.quantize.default
-_GEMM = torch.ops.graphpass.fp8_gemm.default
 
 
 def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
@@ -105,7 +105,7 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
         if key not in quantized:
             usage = "columnwise" if columnwise else "rowwise"
             with graph.inserting_before(before):
-                q = _call(graph, _QUANTIZE, (x, recipe, role, usage), before, backward)
+                q = _call(graph, QUANTIZE, (x, recipe, role, usage), before, backward)
                 data = _call(graph, operator.getitem, (q, 0), before, backward)
                 scale = _call(graph, operator.getitem, (q, 1), before, backward)
             for node in (q, data, scale):
@@ -116,7 +116,7 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
 
     def gemm(old: fx.Node, a, b, roles: str, bias: fx.Node | None, backward: bool) -> None:
         with graph.inserting_before(old):
-            new = _call(graph, _GEMM, (*a, *b, recipe, roles, old.meta["val"].dtype, bias,
+            new = _call(graph, FP8_GEMM, (*a, *b, recipe, roles, old.meta["val"].dtype, bias,
                                               kernel), old, backward)
         old.replace_all_uses_with(new)
         graph.erase_node(old)
@@ -167,15 +167,13 @@ def _call(graph: fx.Graph, target: Callable[..., Any], args: tuple, like: fx.Nod
     else:
         with fake_mode or contextlib.nullcontext():
             node.meta["val"] = target(*vals)
-    node.meta["partitioner_tag"] = "is_backward" if backward else "is_forward"
+    _compat.set_partition_side(node, "is_backward" if backward else "is_forward")
     for key in ("nn_module_stack", "fwd_nn_module_stack", "seq_nr", "stack_trace"):
         if key in like.meta:
             node.meta[key] = like.meta[key]
     # Inside a user's checkpoint region (torch.utils.checkpoint, SAC), the quantizes and FP8 GEMM
     # that replace a GEMM keep the region's policy: the user's checkpoint still covers them.
     if not backward:
-        for key in ("recompute", "ac_graph_id"):
-            if key in like.meta:
-                node.meta[key] = like.meta[key]
+        _compat.copy_checkpoint_tags(like, node)
     return node
 

@@ -13,10 +13,12 @@ import fnmatch
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from .._compat import size_hint
 from ..config import Config
 from ..decisions import Decision, Plan, What, facts, record
-from ..graph.nodes import VIEWS, is_backward, module_path, op_name
+from ..graph.nodes import is_backward, module_path, op_name
+from ..graph.ops import VIEWS
 from ..report import format_bytes
 
 
@@ -29,7 +31,7 @@ def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 else What.OFFLOAD_ELIGIBLE)
         record(node, offload=Decision(what, "offload", reason or "", node=node.name))
         if config.offload and not reason:
-            node.meta["should_offload"] = True
+            _compat.mark_for_offload(node)
 
 
 def why_not_offloaded(node: fx.Node, config: Config, *, is_parameter: bool) -> str | None:

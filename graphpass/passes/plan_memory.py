@@ -19,7 +19,7 @@ from ..decisions import Decision, Plan, What
 from ..graph.flops import node_flops, step_flops
 from ..graph.nodes import is_random
 from ..graph.regions import forward_calls, is_expensive
-from .recompute import overruled_by_user, tag, user_policy
+from .tags import overruled_by_user, tag, user_policy
 
 
 def plan_memory(joint: fx.GraphModule, plan: Plan, config: Config) -> None:

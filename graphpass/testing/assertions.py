@@ -15,9 +15,7 @@ from typing import Literal, Sequence, Union
 import torch.nn as nn
 
 from ..decisions import What
-from ..report import Report, Row, format_bytes
-from .diff import diff
-from .snapshot import Snapshot, format_shape
+from ..report import Report, Row, Snapshot, diff, format_bytes, format_shape, is_offloaded, is_recomputed
 
 Baseline = Union[Report, Snapshot, str, "os.PathLike[str]"]
 _SHOWN = 10  # offending rows listed in a message; more are counted
@@ -193,18 +191,6 @@ def assert_fp8_lowered(
     if problems:
         raise AssertionError(f"linears not lowered to FP8 for a reason outside {list(allowed)}:\n"
                              + "\n".join(problems))
-
-
-def is_offloaded(row: Row) -> bool:
-    """Kept in host memory, or decided so (``offload: yes``); ``offload: no (...)`` and
-    ``offload: eligible`` are not offloads."""
-    return row.offloaded or row.decided(What.OFFLOAD, What.OFFLOADED)
-
-
-def is_recomputed(row: Row) -> bool:
-    """Saved for a recompute: the RNG state a recomputed random op (attention, dropout) is
-    replayed under."""
-    return row.decided(What.RECOMPUTED)
 
 
 def _require(report: Report | None) -> Report:

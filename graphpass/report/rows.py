@@ -1,4 +1,5 @@
-"""The saved-tensor report: one row per tensor the forward keeps alive for the backward."""
+"""The saved-tensor report: one row per tensor the forward keeps alive for the backward, the
+passes' decisions, and its JSON form."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .decisions import Decision, What
+from ..decisions import Decision, What
+from .coverage import merge_coverage
+from .table import table
+from .totals import SavedTotals
 
 KINDS = ("activation", "fp8_data", "fp8_scale", "rng_state", "symint", "parameter", "other")
 
@@ -76,25 +80,16 @@ class Row:
                       "decisions": decisions})
 
 
-class SavedTotals:
-    """Byte totals over saved values (report rows or snapshot entries), each with ``bytes``,
-    ``kind``, ``offloaded`` and ``is_activation``."""
+def is_offloaded(row: Row) -> bool:
+    """Kept in host memory, or decided so (``offload: yes``); ``offload: no (...)`` and
+    ``offload: eligible`` are not offloads."""
+    return row.offloaded or row.decided(What.OFFLOAD, What.OFFLOADED)
 
-    def _saved(self) -> Iterable[Any]:
-        raise NotImplementedError
 
-    @property
-    def activation_bytes(self) -> int:
-        """Saved bytes excluding parameters and offloaded values, counted once per storage."""
-        return sum(r.bytes for r in self._saved() if r.is_activation)
-
-    @property
-    def parameter_bytes(self) -> int:
-        return sum(r.bytes for r in self._saved() if r.kind == "parameter")
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return sum(r.bytes for r in self._saved() if r.offloaded)
+def is_recomputed(row: Row) -> bool:
+    """Saved for a recompute: the RNG state a recomputed random op (attention, dropout) is
+    replayed under."""
+    return row.decided(What.RECOMPUTED)
 
 
 @dataclass
@@ -111,23 +106,9 @@ class Report(SavedTotals):
     def _saved(self) -> list[Row]:
         return self.rows
 
-    def bytes_by(self, key: str) -> dict[str, int]:
-        """Activation bytes grouped by a row attribute (``kind``, ``dtype``, ``module``...)."""
-        totals: dict[str, int] = {}
-        for r in self.rows:
-            if r.is_activation:
-                totals[getattr(r, key)] = totals.get(getattr(r, key), 0) + r.bytes
-        return totals
-
     def bytes_by_layer(self) -> dict[str, int]:
-        from .graph.nodes import layer_of
-
-        totals: dict[str, int] = {}
-        for r in self.rows:
-            if r.is_activation:
-                layer = layer_of(r.module) or "(outside layers)"
-                totals[layer] = totals.get(layer, 0) + r.bytes
-        return totals
+        """Activation bytes per transformer layer (``bytes_by("layer")``)."""
+        return self.bytes_by("layer")
 
     def find(self, name: str) -> Row:
         for r in self.rows:
@@ -155,8 +136,6 @@ class Report(SavedTotals):
                     merged.meta[key] = merged.meta.get(key, 0) + rep.meta[key]
         parts = [rep.meta["fp8_coverage"] for rep in reports if "fp8_coverage" in rep.meta]
         if parts:
-            from .graph.gemms import merge_coverage
-
             merged.meta["fp8_coverage"] = merge_coverage(parts)
         return merged
 
@@ -186,42 +165,7 @@ class Report(SavedTotals):
 
     def table(self, *, max_consumers: int = 3) -> str:
         """An aligned text table with totals per kind and per layer."""
-        header = ("name", "op", "module", "shape", "dtype", "bytes", "kind", "backward use", "decision")
-        body = []
-        for r in self.rows:
-            uses = ", ".join(r.consumers[:max_consumers]) + (", ..." if len(r.consumers) > max_consumers else "")
-            size = format_bytes(r.bytes) if not r.alias_of else f"(view of {r.alias_of})"
-            body.append((r.name, r.op, r.module or "-", "x".join(map(str, r.shape)) or "-",
-                         r.dtype, size, r.kind, uses or "-", r.decision))
-        widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (header, *body)]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append("")
-        kinds = self.bytes_by("kind")
-        lines.append(f"activation bytes: {format_bytes(self.activation_bytes)} ({self.activation_bytes:,} B)"
-                     + "".join(f"; {k} {format_bytes(v)}" for k, v in sorted(kinds.items())))
-        lines.append(f"parameters saved (not counted): {format_bytes(self.parameter_bytes)}")
-        if self.offloaded_bytes:
-            lines.append(f"offloaded to host (not counted): {format_bytes(self.offloaded_bytes)}")
-        if self.meta.get("step_flops"):
-            lines.append(f"recompute: {self.meta['recompute_flops'] / self.meta['step_flops']:.3%} "
-                         "of the step's FLOPs")
-        if "fp8_coverage" in self.meta:
-            from .graph.gemms import coverage_lines
-
-            lines += coverage_lines(self.meta["fp8_coverage"])
-        layers = self.bytes_by_layer()
-        if len(layers) > 1 or "(outside layers)" not in layers:
-            lines += [f"  {layer}: {format_bytes(b)}" for layer, b in layers.items()]
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return table(self, max_consumers=max_consumers)
 
     def __str__(self) -> str:
         return self.table()
-
-
-def format_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
