@@ -33,6 +33,7 @@ from ..decisions import Decision, Plan, Quantized, What, record
 from ..fp8 import providers, recipes
 from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
+from ..graph.flops import node_flops
 from ..graph.linears import Linear, find_grouped, find_linears
 from ..graph.nodes import op_name
 
@@ -81,7 +82,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
         return f"dtype {x.dtype}/{w.dtype} is not float32, bfloat16 or float16"
     # x is (M, K) or, for grouped experts, (groups, M, K); W is (N, K), or (K, N) when stored
     # [in, out], with the same leading groups.
-    *groups, m, k = x.shape
+    *_, m, k = x.shape
     n = w.shape[-1] if lin.stored_kn else w.shape[-2]
     multiple = recipes.requires_divisibility(config.fp8)
     # wgrad contracts over M (tokens), so M needs the same alignment as K and N.
@@ -90,7 +91,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
             return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
         if size % multiple:
             return f"{dim}={size} not a multiple of {multiple}"
-    flops = 2 * m * n * k * (groups[0] if groups else 1)
+    flops = node_flops(lin.fprop)  # torch's formula: 2*M*N*K, per group for experts
     if flops < config.fp8_min_gemm_flops:
         return f"GEMM of {flops:,} FLOPs is below fp8_min_gemm_flops={config.fp8_min_gemm_flops:,}"
     return None
