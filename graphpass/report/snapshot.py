@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
