@@ -187,6 +187,18 @@ def placeholder_source(node: fx.Node) -> str | None:
     return name() if callable(name) else name
 
 
+def fsdp_managed_input(node: fx.Node) -> bool:
+    """A dynamo graph input read from a module FSDP manages (``fully_shard`` marks it; dynamo
+    gives its parameters an FSDP guard source): under FSDP2, a weight FSDP all-gathered before
+    the graph runs. ``guard_source`` is a property from torch 2.12, a method before."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return False
+    guard = source.guard_source
+    guard = guard() if callable(guard) else guard
+    return bool(guard.is_fsdp_module())
+
+
 def custom_partitioner_base() -> type:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 

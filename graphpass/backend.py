@@ -58,8 +58,9 @@ class Backend:
         return f"graphpass.backend({args})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        sources = [_compat.placeholder_source(n) for n in gm.graph.find_nodes(op="placeholder")]
-        with input_sources(sources):
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        sources = [_compat.placeholder_source(n) for n in placeholders]
+        with input_sources(sources, fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders)):
             if self.config.codegen == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
 from .config import Config, given
-from .distributed import collective_notes
+from .distributed import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
 from .graph.nodes import module_path, op_name
@@ -42,6 +42,8 @@ _reports_sink: contextvars.ContextVar[list[Report] | None] = contextvars.Context
 _input_sources: contextvars.ContextVar[Sequence[str | None]] = contextvars.ContextVar(
     "graphpass_input_sources", default=()
 )
+_fsdp_inputs: contextvars.ContextVar[bool] = contextvars.ContextVar("graphpass_fsdp_inputs",
+                                                                   default=False)
 
 
 def partition(
@@ -123,6 +125,8 @@ def _partition(
         rows = rows_of(fw, bw, {k: v for k, v in named.items() if v})
         notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
         notes += collective_notes(fw, bw)  # a tensor/sequence-parallel rank's communication
+        if any(line.startswith("lowered:") for line in log):
+            notes += fp8_distributed_notes(fw, bw, fsdp=_fsdp_inputs.get())
         report = Report(rows=rows, notes=log + notes + _compat.assumed_size_notes(assumed),
                         meta=_meta(config))
         report.meta.update(step_flops=steps, recompute_flops=recompute_flops)
@@ -201,12 +205,15 @@ def collect_reports() -> Iterator[list[Report]]:
 
 
 @contextlib.contextmanager
-def input_sources(sources: Sequence[str | None]) -> Iterator[None]:
-    """Names of the graph inputs being compiled, so the report can name saved parameters."""
+def input_sources(sources: Sequence[str | None], *, fsdp: bool = False) -> Iterator[None]:
+    """Names of the graph inputs being compiled, so the report can name saved parameters, and
+    whether any is a weight FSDP2 manages (all-gathered before the graph runs)."""
     token = _input_sources.set(tuple(sources))
+    fsdp_token = _fsdp_inputs.set(fsdp)
     try:
         yield
     finally:
+        _fsdp_inputs.reset(fsdp_token)
         _input_sources.reset(token)
 
 

@@ -57,9 +57,14 @@ def _loss(model, batch):
     return F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
 
 
-def fsdp(mode: str, rank: int, out: str) -> None:
+def fsdp(rank: int, out: str) -> None:
+    torch.save({mode: _fsdp(mode, rank) for mode in BACKENDS}, os.path.join(out, f"fsdp-{rank}.pt"))
+
+
+def _fsdp(mode: str, rank: int) -> dict:
     """FSDP2 over both ranks, each block sharded and compiled per block, SGD for STEPS steps;
     rank r trains on rows [r * BATCH/WORLD, (r+1) * BATCH/WORLD) of the global batch."""
+    torch._dynamo.reset()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -82,15 +87,19 @@ def fsdp(mode: str, rank: int, out: str) -> None:
             grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
             opt.step()
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
-    torch.save(dict(losses=losses, grads=grads, params=params, reports=_report_summary(reports)),
-               os.path.join(out, f"fsdp_{mode}-{rank}.pt"))
+    return dict(losses=losses, grads=grads, params=params, reports=_report_summary(reports))
 
 
-def fsdp_ref(mode: str, out: str) -> None:
+def fsdp_ref(out: str) -> None:
+    torch.save({mode: _fsdp_ref(mode) for mode in BACKENDS}, os.path.join(out, "fsdp_ref.pt"))
+
+
+def _fsdp_ref(mode: str) -> dict:
     """The same model in one process, compiled per block with the same backend: the loss and
     gradient of each rank's rows separately, their gradients averaged as FSDP2 reduces them
     (a sum of two in the parameter dtype, then / 2, exact), and SGD on the full parameters. Then
     the same from the same start on the whole batch at once, and uncompiled in float32."""
+    torch._dynamo.reset()
     model, x = _fsdp_model(torch.bfloat16)
     backend = graphpass.backend(**BACKENDS[mode])
     for block in model.layers:
@@ -130,9 +139,8 @@ def fsdp_ref(mode: str, out: str) -> None:
     torch._dynamo.reset()
     whole = whole_batch(torch.bfloat16, True)
     fp32 = whole_batch(torch.float32, False)
-    torch.save(dict(losses=losses, grads=grads, params=params, reports=_report_summary(reports),
-                    whole=whole, fp32=fp32),
-               os.path.join(out, f"fsdp_{mode}_ref-0.pt"))
+    return dict(losses=losses, grads=grads, params=params, reports=_report_summary(reports),
+                whole=whole, fp32=fp32)
 
 
 # --- tensor + sequence parallel -------------------------------------------------------------
@@ -168,28 +176,28 @@ def _grads(block):
             for n, p in block.named_parameters()}
 
 
-def tp(mode: str, rank: int, out: str) -> None:
+def tp(rank: int, out: str) -> None:
     """One Llama block, TP+SP over both ranks (torchtitan's plan, ``llama.build_tp``), compiled
-    with graphpass: FP8 (mode ``fp8``: each memory plan in PLANS) or not (``bf16``)."""
+    with graphpass FP8 under each memory plan in PLANS."""
     dtype = torch.bfloat16
     probe = _tp_probe(dtype).chunk(WORLD, dim=1)[rank]
     results = {}
-    for plan, options in (PLANS.items() if mode == "fp8" else [("default", {})]):
+    for plan, options in PLANS.items():
         torch._dynamo.reset()
         block, (x, cos, sin) = llama.build_tp("tiny", tp=WORLD, dtype=dtype)
-        compiled = torch.compile(block, backend=graphpass.backend(**BACKENDS[mode], **options))
+        compiled = torch.compile(block, backend=graphpass.backend(**BACKENDS["fp8"], **options))
         with collect_reports() as reports:
             y = _tp_step(compiled, x, cos, sin, probe)
         results[plan] = dict(out=y, x_grad=x.grad.clone(), grads=_grads(block),
                              reports=_report_summary(reports))
-    torch.save(results, os.path.join(out, f"tp_{mode}-{rank}.pt"))
+    torch.save(results, os.path.join(out, f"tp-{rank}.pt"))
 
 
-def tp_ref(mode: str, out: str) -> None:
-    """The same block unsharded in one process: compiled with the same backend, and uncompiled
-    in float32."""
+def tp_ref(out: str) -> None:
+    """The same block unsharded in one process: compiled with the same FP8 backend, and
+    uncompiled in float32."""
     results = {}
-    for name, dtype, options in (("same", torch.bfloat16, BACKENDS[mode]),
+    for name, dtype, options in (("fp8", torch.bfloat16, BACKENDS["fp8"]),
                                  ("fp32", torch.float32, None)):
         torch._dynamo.reset()
         model, (x,) = llama.build("tiny", layers=1, dtype=dtype)
@@ -200,7 +208,7 @@ def tp_ref(mode: str, out: str) -> None:
         run = torch.compile(block, backend=graphpass.backend(**options)) if options else block
         y = _tp_step(run, x, cos, sin, _tp_probe(dtype))
         results[name] = dict(out=y, x_grad=x.grad.clone(), grads=_grads(block))
-    torch.save(results, os.path.join(out, f"tp_{mode}_ref-0.pt"))
+    torch.save(results, os.path.join(out, "tp_ref.pt"))
 
 
 # --- entry point ----------------------------------------------------------------------------
@@ -208,16 +216,16 @@ def tp_ref(mode: str, out: str) -> None:
 
 def main(argv: list[str]) -> None:
     scenario, out = argv[0], argv[1]
-    name, _, mode = scenario.partition(":")
-    torch.use_deterministic_algorithms(True)
-    if name.endswith("_ref"):
-        globals()[name](mode, out)
+    # One thread in every process: the ranks and the reference then sum in the same order.
+    torch.set_num_threads(1)
+    if scenario.endswith("_ref"):
+        globals()[scenario](out)
         return
     rank, world, store = int(argv[2]), int(argv[3]), argv[4]
-    assert world == WORLD
+    assert world == WORLD, world
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        globals()[name](mode, rank, out)
+        globals()[scenario](rank, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
