@@ -269,22 +269,43 @@ def dtensor_from_local(local: torch.Tensor, like: Any) -> Any:
                               shape=like.shape, stride=like.stride())
 
 
-def static_primal_positions(primals: list[fx.Node], static: list[int]) -> list[int]:
-    """Positions among the joint graph's primals of the inputs torch calls static (parameters,
-    buffers). ``static`` counts AOTAutograd's inputs before tensor subclasses are flattened:
-    from torch 2.13 a DTensor parameter becomes two primals (its ``_local_tensor`` and its
-    ``device_mesh``), so the positions shift. Each primal's input descriptor (``meta["desc"]``,
-    a ``SubclassGetAttrAOTInput`` over the ``PlainAOTInput(idx)`` it came from) names the input;
-    without subclass descriptors (torch 2.11, or no subclass input), the indices are positions
-    already."""
+def _input_descriptors(primals: list[fx.Node]) -> list[Any] | None:
+    """Each primal's input descriptor walked down to the input it came from (through a tensor
+    subclass's attributes: from torch 2.13 a DTensor input becomes two primals, its
+    ``_local_tensor`` and its ``device_mesh``, each a ``SubclassGetAttrAOTInput`` over the
+    ``PlainAOTInput(idx)`` of the DTensor). None where nothing was flattened (no subclass
+    descriptors: torch 2.11, or no subclass input): the primals are the inputs then."""
     descs = [n.meta.get("desc") for n in primals]
     if not all(descs) or not any(getattr(d, "base", None) is not None for d in descs):
+        return None
+    walked = []
+    for desc in descs:
+        while getattr(desc, "base", None) is not None:
+            desc = desc.base
+        walked.append(desc)
+    return walked
+
+
+def primal_input_indices(primals: list[fx.Node]) -> list[int | None]:
+    """For each primal, the index of the AOTAutograd input (dynamo's graph input) it comes
+    from: a DTensor's local shard and mesh both map to the DTensor's input."""
+    descs = _input_descriptors(primals)
+    if descs is None:
+        return list(range(len(primals)))
+    return [getattr(desc, "idx", None) for desc in descs]
+
+
+def static_primal_positions(primals: list[fx.Node], static: list[int]) -> list[int]:
+    """Positions among the joint graph's primals of the inputs torch calls static (parameters,
+    buffers). ``static`` counts AOTAutograd's inputs before tensor subclasses are flattened
+    (``_input_descriptors``), so from torch 2.13 the positions of a graph with DTensor inputs
+    shift."""
+    descs = _input_descriptors(primals)
+    if descs is None:
         return [i for i in static if i < len(primals)]  # nothing flattened: positions as given
     wanted = set(static)
     positions = []
     for pos, desc in enumerate(descs):
-        while getattr(desc, "base", None) is not None:  # through subclass attributes
-            desc = desc.base
         idx = getattr(desc, "idx", None)
         if idx is not None and idx in wanted:
             positions.append(pos)

@@ -121,7 +121,10 @@ def _partition(
                    "the recipe's FP8 bits; each quantize runs as one op (torch >= 2.13 fuses them)")
     if config.report:
         sources = list(_input_sources.get())
-        named = dict(zip((p.name for p in primals), sources)) if len(sources) == len(primals) else {}
+        # Dynamo's graph inputs: one per primal, or per DTensor two primals (torch 2.13+).
+        index = _compat.primal_input_indices(primals)
+        named = ({p.name: sources[i] for p, i in zip(primals, index) if i is not None}
+                 if set(index) == set(range(len(sources))) else {})
         rows = rows_of(fw, bw, {k: v for k, v in named.items() if v})
         notes, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=num_fwd_outputs)
         notes += collective_notes(fw, bw)  # a tensor/sequence-parallel rank's communication
