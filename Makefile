@@ -19,6 +19,8 @@ VENV := .venv-$(TORCH)
 endif
 PY     := $(VENV)/bin/python
 # Workers for the suite: pytest-xdist's -n (auto: one per CPU core); PYTEST_WORKERS=0 runs serially.
+# loadgroup: tests marked with one xdist_group run on one worker (the multi-process tests share
+# one run of their scenario per group).
 PYTEST_WORKERS ?= auto
 MODEL ?= llama
 FP8 ?= tensorwise
@@ -39,7 +41,7 @@ demo: setup
 	$(PY) -m graphpass report --model $(MODEL) --size real --fp8 $(FP8)
 
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 bench: setup
 	$(PY) benchmarks/memory.py

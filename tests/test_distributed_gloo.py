@@ -96,8 +96,11 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
 
 
 # --- FSDP2 ----------------------------------------------------------------------------------
+# Every test of a scenario is in its xdist group: under `make test` (-n auto --dist loadgroup)
+# one worker runs the scenario once for all of them.
 
 
+@pytest.mark.xdist_group("gloo-fsdp")
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_per_block_is_bit_identical_to_one_process_per_rank_rows(fsdp, mode):
     """Tiny Llama LM (2 blocks, bf16), ``fully_shard`` on each block and the root, each block
@@ -124,6 +127,7 @@ WHOLE_BATCH_BOUNDS = {  # mode: (loss vs whole batch, grads vs whole batch, grad
 }
 
 
+@pytest.mark.xdist_group("gloo-fsdp")
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_matches_one_process_on_the_whole_batch_within_bounds(fsdp, mode):
     ranks, ref = fsdp
@@ -141,6 +145,7 @@ def test_fsdp2_matches_one_process_on_the_whole_batch_within_bounds(fsdp, mode):
             _rel(whole_grads[n], fp32_grads[n]) for n in grads)
 
 
+@pytest.mark.xdist_group("gloo-fsdp")
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_rank_reports_are_the_one_process_report(fsdp, mode):
     """Each rank's report: the unsharded weights (FSDP all-gathers them before the block runs)
@@ -173,6 +178,7 @@ def _unsharded(ranks: list[dict], plan: str) -> dict:
 TP_BOUNDS = {"out": 0.01, "x_grad": 0.02, "grads": 0.2}  # measured 0.0033, 0.0051, 0.094
 
 
+@pytest.mark.xdist_group("gloo-tp")
 def test_tp_sp_fp8_matches_the_unsharded_fp8_block_within_bounds(tp):
     """One Llama block, TP=2 with sequence parallelism (torchtitan's plan), graphpass FP8 vs the
     unsharded block under the same backend. They differ by scales: each weight shard and each
@@ -189,6 +195,7 @@ def test_tp_sp_fp8_matches_the_unsharded_fp8_block_within_bounds(tp):
         assert _rel(grads[n], fp32["grads"][n]) < 1.25 * _rel(fp8["grads"][n], fp32["grads"][n]), n
 
 
+@pytest.mark.xdist_group("gloo-tp")
 def test_tp_sp_rank_report_names_shards_collectives_and_what_fp8_does_not_do(tp):
     ranks, _ = tp
     for rank in ranks:
@@ -215,6 +222,7 @@ def test_tp_sp_rank_report_names_shards_collectives_and_what_fp8_does_not_do(tp)
         assert FSDP_FP8_NOTE not in notes
 
 
+@pytest.mark.xdist_group("gloo-tp")
 @pytest.mark.parametrize("plan", ["planner", "mlp"])
 def test_memory_passes_on_a_tp_sharded_block_are_bit_identical(tp, plan):
     """FP8 on the TP-sharded block: the planner with save_original='always' and recompute of
