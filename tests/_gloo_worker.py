@@ -58,7 +58,35 @@ def _loss(model, batch):
 
 
 def fsdp(rank: int, out: str) -> None:
-    torch.save({mode: _fsdp(mode, rank) for mode in BACKENDS}, os.path.join(out, f"fsdp-{rank}.pt"))
+    results = {mode: _fsdp(mode, rank) for mode in BACKENDS}
+    results["whole_model"] = _fsdp_whole_model(rank)
+    torch.save(results, os.path.join(out, f"fsdp-{rank}.pt"))
+
+
+def _fsdp_whole_model(rank: int) -> dict:
+    """``torch.compile(model)`` of the FSDP2 model as a whole, FP8: dynamo breaks the graph at
+    FSDP's hooks and compiles each block's forward, one graph shared by both blocks. Counted with
+    the profiler: the graphpass FP8 GEMMs every block runs in the second step (after compiling)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    model, x = _fsdp_model(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    compiled = torch.compile(model, backend=graphpass.backend(**BACKENDS["fp8"]))
+    local = [t.chunk(WORLD)[rank] for t in x]
+    losses, gemms = [], []
+    with collect_reports() as reports:
+        for _ in range(2):
+            with torch.profiler.profile() as prof:
+                loss = _loss(compiled, local)
+                loss.backward()
+            losses.append(loss.detach())
+            gemms.append(sum(e.name == "graphpass::fp8_gemm" for e in prof.events()))
+    return dict(losses=losses, fp8_gemms=gemms, reports=_report_summary(reports))
 
 
 def _fsdp(mode: str, rank: int) -> dict:

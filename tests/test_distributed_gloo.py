@@ -167,6 +167,26 @@ def test_fsdp2_rank_reports_are_the_one_process_report(fsdp, mode):
         assert sum(n.startswith("lowered:") for n in want[0]["notes"]) == 7
 
 
+@pytest.mark.xdist_group("gloo-fsdp")
+def test_fsdp2_whole_model_compile_runs_every_block_in_fp8(fsdp):
+    """``torch.compile(model, backend=...)`` of the whole FSDP2 model, FP8: every block runs
+    graphpass's partition. Dynamo breaks the graph at FSDP2's hooks and compiles each block's
+    forward; both blocks share one graph, hence one report for the two (one report per graph,
+    not per block: counting reports undercounts blocks). The profiler counts the FP8 GEMMs of
+    the step after compiling: 2 blocks x 7 linears x 3 GEMMs (forward, dgrad, wgrad)."""
+    ranks, ref = fsdp
+    for rank in ranks:
+        whole = rank["whole_model"]
+        assert whole["fp8_gemms"][1] == 2 * 7 * 3
+        (report,) = [r for r in whole["reports"] if any(n.startswith("lowered:") for n in r["notes"])]
+        assert sum(n.startswith("lowered:") for n in report["notes"]) == 7
+        assert FSDP_FP8_NOTE in report["notes"]
+        # the first step's loss: that of each block compiled on its own, within FP8's reach
+        # (the root's embedding, norm and head are compiled too here)
+        per_block = rank["fp8"]["losses"][0]
+        assert abs(whole["losses"][0] - per_block) / per_block < 1e-3
+
+
 # --- tensor + sequence parallel -------------------------------------------------------------
 
 
