@@ -9,6 +9,7 @@ signature change upstream fails loudly in one module instead of silently elsewhe
 from __future__ import annotations
 
 import contextlib
+import inspect
 import contextvars
 from typing import Any, Callable, Iterable, Iterator
 
@@ -156,6 +157,7 @@ def min_cut_settings(*, relaxed: bool, offload: bool, offload_stream: bool) -> I
 
     patch: dict[str, Any] = {"enable_activation_offloading": offload}
     if offload and offload_stream:
+        _repair_record_stream_fake()
         for key in ("activation_offload_separate_stream", "activation_offload_sink_wait",
                     "activation_reload_prefetch"):
             if hasattr(functorch_config, key):
@@ -167,6 +169,27 @@ def min_cut_settings(*, relaxed: bool, offload: bool, offload_stream: bool) -> I
                      max_dist_from_bw=10**9)
     with functorch_config.patch(patch):
         yield
+
+
+def _repair_record_stream_fake() -> None:
+    """torch 2.11 registers ``streams::record_stream``'s fake implementation with
+    ``sync_dealloc``'s signature (``src_stream_index, wait_event_index, to_dealloc``), so every
+    separate-stream offload fails under fake tensors with "missing 1 required positional argument:
+    'to_dealloc'". Give it the op's own signature; later versions, which have it right, are left
+    alone."""
+    try:
+        from torch._dynamo.variables import streams
+    except ImportError:
+        return
+    op = getattr(streams, "record_stream", None)
+    fake = getattr(op, "_abstract_fn", None)
+    if fake is None or "to_dealloc" not in inspect.signature(fake).parameters:
+        return
+
+    def record_stream_fake(tensor: torch.Tensor, stream_index: int) -> None:
+        return None
+
+    op.register_fake(record_stream_fake)
 
 
 def storage_id(val: torch.Tensor) -> int | None:

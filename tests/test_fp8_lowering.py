@@ -235,13 +235,23 @@ _CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("device", ["cpu", _CUDA])
-def test_inlined_quantize_is_bit_identical_to_the_op(device):
+def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
     """With Inductor, tensorwise quantizes are inlined after the partition and fused: the
     generated code calls no graphpass.quantize, and outputs and gradients of a bf16 Llama layer
     are bit-identical to the opaque op's. Inlining sets Inductor's emulate_precision_casts (fused
     bf16 values rounded as eager rounds them), so the opaque run gets it too: without it, the
-    other fused bf16 ops of the layer round differently and nothing would be comparable."""
+    other fused bf16 ops of the layer round differently and nothing would be comparable.
+
+    Every FP8 GEMM gets its operands K-major as Inductor lays them out, with no copy: fused, a
+    columnwise copy would otherwise be written in the transposed gradient's stride order, which
+    cuBLASLt refuses ("Only multiplication of row-major and column-major matrices", seen on an
+    H100 before fp8_gemm asked Inductor for fixed strides)."""
     from torch._inductor import config as inductor_config
+
+    from graphpass.fp8 import ops
+
+    strides, k_major = [], ops._k_major
+    monkeypatch.setattr(ops, "_k_major", lambda t: strides.append(t.stride()) or k_major(t))
 
     model, inputs = llama.build("tiny", layers=1, seq=64, device=device, dtype=torch.bfloat16)
     with inductor_config.patch(emulate_precision_casts=True):
@@ -254,6 +264,7 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device):
         assert "graphpass.quantize" in fused_code
     assert "graphpass.fp8_gemm" in fused_code
     assert all(torch.equal(a, b) for a, b in zip(fused, opaque))
+    assert len(strides) >= 2 * 3 * 7 and all(s[-1] == 1 for s in strides), strides
 
 
 def test_fuse_quantize_off_where_inductor_would_change_the_bits(monkeypatch):

@@ -1,5 +1,6 @@
 """Save-original, recompute, offload and the planner: exact saved sets and exact numerics."""
 
+import inspect
 import os
 
 import pytest
@@ -311,6 +312,23 @@ def test_offload_stream_settings():
     with _compat.min_cut_settings(relaxed=False, offload=True, offload_stream=False):
         assert not functorch_config.activation_offload_separate_stream
     assert not functorch_config.enable_activation_offloading
+
+
+def test_separate_stream_offload_ops_trace_under_fake_tensors():
+    """torch 2.11 gives ``streams::record_stream`` a fake implementation with another op's
+    signature, which failed every separate-stream offload on the GPU ("missing 1 required
+    positional argument: 'to_dealloc'"); the separate-stream settings repair it (a no-op where
+    torch has it right)."""
+    streams = pytest.importorskip("torch._dynamo.variables.streams")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphpass import _compat
+
+    with _compat.min_cut_settings(relaxed=False, offload=True, offload_stream=True):
+        pass
+    with FakeTensorMode():
+        assert torch.ops.streams.record_stream(torch.empty(4), 0) is None
+    assert "to_dealloc" not in str(inspect.signature(streams.record_stream._abstract_fn))
 
 
 def test_recomputed_attention_counts_its_flops():

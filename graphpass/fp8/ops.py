@@ -53,7 +53,12 @@ quantize = torch.library.custom_op("graphpass::quantize", _quantize, mutates_arg
 quantize.register_fake(_quantize_fake)
 
 
-@torch.library.custom_op("graphpass::fp8_gemm", mutates_args=())
+# FP8 GEMMs are TN-only (cuBLASLt on Hopper, TE): both operands row-major, K contiguous. Under
+# Inductor an inlined quantize may write its FP8 copy in its input's stride order (a transposed
+# gradient's), so the GEMM asks Inductor for its inputs in the strides of the traced graph, where
+# every quantize output is contiguous; ``_k_major`` below guards any other caller.
+@torch.library.custom_op("graphpass::fp8_gemm", mutates_args=(),
+                         tags=(torch.Tag.needs_fixed_stride_order,))
 def fp8_gemm(
     a: Tensor,
     a_scale_inv: Tensor,
@@ -73,6 +78,7 @@ def fp8_gemm(
     ``kernel`` names the provider that runs it.
     """
     a_role, b_role = roles.split(",")
+    a, b = _k_major(a), _k_major(b)
     if a.dim() == 3:  # grouped: one GEMM per group (MoE expert), same layouts
         return torch.stack([
             providers.get(kernel).gemm(a[i], a_scale_inv[i], b[i], b_scale_inv[i], recipe, a_role,
@@ -80,6 +86,11 @@ def fp8_gemm(
             for i in range(a.shape[0])])
     return providers.get(kernel).gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
                                       out_dtype, bias)
+
+
+def _k_major(t: Tensor) -> Tensor:
+    """``t`` with its last dimension contiguous, copied only where it is not."""
+    return t if t.stride(-1) == 1 and all(s >= t.shape[-1] for s in t.stride()[:-1]) else t.contiguous()
 
 
 @fp8_gemm.register_fake
