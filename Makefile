@@ -19,8 +19,6 @@ VENV := .venv-$(TORCH)
 endif
 PY     := $(VENV)/bin/python
 # Workers for the suite: pytest-xdist's -n (auto: one per CPU core); PYTEST_WORKERS=0 runs serially.
-# loadgroup: tests marked with one xdist_group run on one worker (the multi-process tests share
-# one run of their scenario per group).
 PYTEST_WORKERS ?= auto
 MODEL ?= llama
 FP8 ?= tensorwise
@@ -41,7 +39,7 @@ demo: setup
 	$(PY) -m graphpass report --model $(MODEL) --size real --fp8 $(FP8)
 
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 bench: setup
 	$(PY) benchmarks/memory.py

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -239,6 +240,13 @@ def tp_ref(out: str) -> None:
     torch.save(results, os.path.join(out, "tp_ref.pt"))
 
 
+# --- the harness's own test: a rank that never joins ------------------------------------------
+
+
+def hang_ref(out: str) -> None:
+    pass
+
+
 # --- entry point ----------------------------------------------------------------------------
 
 
@@ -251,6 +259,9 @@ def main(argv: list[str]) -> None:
         return
     rank, world, store = int(argv[2]), int(argv[3]), argv[4]
     assert world == WORLD, world
+    if scenario == "hang" and rank == 1:
+        print("rank 1 never joins", flush=True)
+        time.sleep(3600)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         globals()[scenario](rank, out)

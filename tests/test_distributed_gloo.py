@@ -18,6 +18,7 @@ bounds below are the measured values (docs/distributed.md) with a margin.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +41,27 @@ WORLD = 2
 STEPS = 3
 
 
-def _run(scenario: str, out: Path) -> tuple[list[dict], dict]:
-    """Both ranks of ``scenario`` and its one-process reference, at once; what each measured."""
+def _shared_run(scenario: str, tmp_path_factory) -> tuple[list[dict], dict]:
+    """One run of ``scenario`` per pytest session, whichever xdist worker first needs it: under a
+    file lock in the directory the workers share, the others wait for it and read its files."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the session's workers
+    out = root / f"gloo-{scenario}"
+    with FileLock(f"{out}.lock", timeout=3 * TIMEOUT):
+        if not (out / "done").exists():
+            shutil.rmtree(out, ignore_errors=True)  # a failed run of another worker
+            _run(scenario, out)
+            (out / "done").touch()
+    ranks = [torch.load(out / f"{scenario}-{r}.pt") for r in range(WORLD)]
+    return ranks, torch.load(out / f"{scenario}_ref.pt")
+
+
+def _run(scenario: str, out: Path, timeout: float = TIMEOUT) -> None:
+    """Both ranks of ``scenario`` and its one-process reference, at once, each writing what it
+    measured under ``out``; killed at ``timeout`` seconds."""
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     store = out / "store"
@@ -54,7 +74,7 @@ def _run(scenario: str, out: Path) -> tuple[list[dict], dict]:
         with open(logs[name], "w") as log:
             procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + timeout
     timed_out = []
     for name, proc in procs.items():
         try:
@@ -68,20 +88,29 @@ def _run(scenario: str, out: Path) -> tuple[list[dict], dict]:
     if timed_out or failed:
         tails = "\n".join(f"--- {name} (exit {procs[name].returncode}):\n"
                           + "\n".join(logs[name].read_text().splitlines()[-30:]) for name in procs)
-        pytest.fail(f"{scenario}: timed out after {TIMEOUT} s: {timed_out}; failed: {failed}\n{tails}",
+        pytest.fail(f"{scenario}: timed out after {timeout} s: {timed_out}; failed: {failed}\n{tails}",
                     pytrace=False)
-    ranks = [torch.load(out / f"{scenario}-{r}.pt") for r in range(WORLD)]
-    return ranks, torch.load(out / f"{scenario}_ref.pt")
 
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
-    return _run("fsdp", tmp_path_factory.mktemp("gloo") / "fsdp")
+    return _shared_run("fsdp", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory):
-    return _run("tp", tmp_path_factory.mktemp("gloo") / "tp")
+    return _shared_run("tp", tmp_path_factory)
+
+
+def test_a_stuck_collective_fails_at_the_timeout_with_each_process_output(tmp_path):
+    """Rank 1 never joins: rank 0 waits in the rendezvous until the harness kills both."""
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        _run("hang", tmp_path / "hang", timeout=20)
+    assert time.monotonic() - start < 60
+    message = str(failure.value)
+    assert "hang: timed out after 20 s: ['rank 0', 'rank 1']; failed: {" in message
+    assert "--- rank 1 (exit -9):" in message and "rank 1 never joins" in message
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -96,11 +125,8 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
 
 
 # --- FSDP2 ----------------------------------------------------------------------------------
-# Every test of a scenario is in its xdist group: under `make test` (-n auto --dist loadgroup)
-# one worker runs the scenario once for all of them.
 
 
-@pytest.mark.xdist_group("gloo-fsdp")
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_per_block_is_bit_identical_to_one_process_per_rank_rows(fsdp, mode):
     """Tiny Llama LM (2 blocks, bf16), ``fully_shard`` on each block and the root, each block
@@ -127,7 +153,6 @@ WHOLE_BATCH_BOUNDS = {  # mode: (loss vs whole batch, grads vs whole batch, grad
 }
 
 
-@pytest.mark.xdist_group("gloo-fsdp")
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_matches_one_process_on_the_whole_batch_within_bounds(fsdp, mode):
     ranks, ref = fsdp
@@ -145,7 +170,6 @@ def test_fsdp2_matches_one_process_on_the_whole_batch_within_bounds(fsdp, mode):
             _rel(whole_grads[n], fp32_grads[n]) for n in grads)
 
 
-@pytest.mark.xdist_group("gloo-fsdp")
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_rank_reports_are_the_one_process_report(fsdp, mode):
     """Each rank's report: the unsharded weights (FSDP all-gathers them before the block runs)
@@ -167,7 +191,6 @@ def test_fsdp2_rank_reports_are_the_one_process_report(fsdp, mode):
         assert sum(n.startswith("lowered:") for n in want[0]["notes"]) == 7
 
 
-@pytest.mark.xdist_group("gloo-fsdp")
 def test_fsdp2_whole_model_compile_runs_every_block_in_fp8(fsdp):
     """``torch.compile(model, backend=...)`` of the whole FSDP2 model, FP8: every block runs
     graphpass's partition. Dynamo breaks the graph at FSDP2's hooks and compiles each block's
@@ -198,7 +221,6 @@ def _unsharded(ranks: list[dict], plan: str) -> dict:
 TP_BOUNDS = {"out": 0.01, "x_grad": 0.02, "grads": 0.2}  # measured 0.0033, 0.0051, 0.094
 
 
-@pytest.mark.xdist_group("gloo-tp")
 def test_tp_sp_fp8_matches_the_unsharded_fp8_block_within_bounds(tp):
     """One Llama block, TP=2 with sequence parallelism (torchtitan's plan), graphpass FP8 vs the
     unsharded block under the same backend. They differ by scales: each weight shard and each
@@ -215,7 +237,6 @@ def test_tp_sp_fp8_matches_the_unsharded_fp8_block_within_bounds(tp):
         assert _rel(grads[n], fp32["grads"][n]) < 1.25 * _rel(fp8["grads"][n], fp32["grads"][n]), n
 
 
-@pytest.mark.xdist_group("gloo-tp")
 def test_tp_sp_rank_report_names_shards_collectives_and_what_fp8_does_not_do(tp):
     ranks, _ = tp
     for rank in ranks:
@@ -242,7 +263,6 @@ def test_tp_sp_rank_report_names_shards_collectives_and_what_fp8_does_not_do(tp)
         assert FSDP_FP8_NOTE not in notes
 
 
-@pytest.mark.xdist_group("gloo-tp")
 @pytest.mark.parametrize("plan", ["planner", "mlp"])
 def test_memory_passes_on_a_tp_sharded_block_are_bit_identical(tp, plan):
     """FP8 on the TP-sharded block: the planner with save_original='always' and recompute of
