@@ -4,8 +4,9 @@
 
 Each rank is its own process (spawned by the test with a hard timeout); ranks meet through a
 ``FileStore`` in the test's ``tmp_path`` (no port to pick) and talk over gloo on the CPU. Every
-process writes what it measured to ``OUT_DIR/<scenario>-<rank>.pt``; the test compares.
-Scenarios named ``*_ref`` are the single-process references (no process group).
+rank writes what it measured to ``OUT_DIR/<scenario>-<rank>.pt``, the scenario's single-process
+reference (``<scenario>_ref``, no process group) to ``OUT_DIR/<scenario>_ref.pt``; the test
+compares.
 """
 
 from __future__ import annotations
