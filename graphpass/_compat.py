@@ -213,12 +213,15 @@ def placeholder_source(node: fx.Node) -> str | None:
 def fsdp_managed_input(node: fx.Node) -> bool:
     """A dynamo graph input read from a module FSDP manages (``fully_shard`` marks it; dynamo
     gives its parameters an FSDP guard source): under FSDP2, a weight FSDP all-gathered before
-    the graph runs. ``guard_source`` is a property from torch 2.12, a method before."""
+    the graph runs. ``Source.guard_source`` is a cached property in 2.11 through 2.14.1; the base
+    class raises NotImplementedError, so a source kind without one is no FSDP module's."""
     source = getattr(node.meta.get("grapharg"), "source", None)
     if source is None:
         return False
-    guard = source.guard_source
-    guard = guard() if callable(guard) else guard
+    try:
+        guard = source.guard_source
+    except NotImplementedError:
+        return False
     return bool(guard.is_fsdp_module())
 
 
