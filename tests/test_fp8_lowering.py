@@ -258,10 +258,13 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
         opaque, opaque_code = _inductor_step(model, inputs, fp8="tensorwise", fuse_quantize=False)
     fused, fused_code = _inductor_step(model, inputs, fp8="tensorwise")
     assert "graphpass.quantize" in opaque_code
-    if _compat.inductor_rounds_fused_casts(device_types=[device]):
-        assert "graphpass.quantize" not in fused_code
-    else:  # torch 2.11 on CPU: fusion is off, with a note (test_fuse_quantize_off_where_...)
+    if not _compat.inductor_rounds_fused_casts(device_types=[device]):
+        # torch 2.11 on CPU: fusion is off, with a note (test_fuse_quantize_off_where_...)
         assert "graphpass.quantize" in fused_code
+    elif device == "cpu":
+        assert "graphpass.quantize" not in fused_code
+    else:  # CUDA: the gradient quantizes stay one op (fp8/inductor.py, inlinable)
+        assert 0 < fused_code.count("graphpass.quantize") < opaque_code.count("graphpass.quantize")
     assert "graphpass.fp8_gemm" in fused_code
     assert all(torch.equal(a, b) for a, b in zip(fused, opaque))
     assert len(strides) >= 2 * 3 * 7 and all(s[-1] == 1 for s in strides), strides
@@ -278,6 +281,25 @@ def test_fuse_quantize_off_where_inductor_would_change_the_bits(monkeypatch):
     assert "graphpass.quantize" in code
     assert [n for n in graphpass.last_report().notes if n.startswith("fuse_quantize: off: torch ")
             and "each quantize runs as one op" in n]
+
+
+def test_which_quantizes_are_inlined_and_the_notes_that_say_so(monkeypatch):
+    """Tensorwise only; on CUDA not the gradients' (their fused bits differed on an H100), and
+    the report says which quantizes stay one op on the graph's devices."""
+    from graphpass.fp8.inductor import fusion_notes, inlinable
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [inlinable("tensorwise", role, cpu) for role in ("input", "weight", "grad")] == [True] * 3
+    assert [inlinable("tensorwise", role, cuda) for role in ("input", "weight", "grad")] == [
+        True, True, False]
+    assert not inlinable("blockwise", "input", cpu) and not inlinable("mxfp8", "input", cuda)
+    monkeypatch.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: True)
+    assert fusion_notes(device_types={"cpu"}) == []
+    [note] = fusion_notes(device_types={"cuda"})
+    assert note.startswith("fuse_quantize: gradient quantizes run as one op on CUDA")
+    monkeypatch.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: False)
+    [note] = fusion_notes(device_types={"cpu", "cuda"})
+    assert note.startswith("fuse_quantize: off: torch ")
 
 
 def test_inlining_keeps_the_users_post_grad_pass_and_skips_block_recipes():
