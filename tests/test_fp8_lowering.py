@@ -127,6 +127,31 @@ def test_reasons_for_not_lowering():
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("role", ["input", "weight", "grad"])
+def test_eager_tensorwise_pair_is_bit_identical_to_two_quantizes(dtype, role):
+    """The op's eager tensorwise "both" (one amax, the columnwise copy a transpose of the
+    rowwise bytes) gives the bits of quantizing x and x.t() separately, as Inductor inlines it:
+    random values, overflow past the FP8 range, NaN, inf, zeros, an empty and an odd shape."""
+    from graphpass.fp8 import ops
+
+    torch.manual_seed(0)
+    big = torch.randn(48, 80) * 1e4
+    big[3, 5], big[7, 1], big[0, 0] = float("nan"), float("inf"), -float("inf")
+    for x in (torch.randn(64, 96) * 3, torch.randn(17, 33) * 1e-6, big, torch.zeros(16, 32),
+              torch.empty(0, 16)):
+        x = x.to(dtype)
+        got = torch.ops.graphpass.quantize(x, "tensorwise", role, "both")
+        want = ops._quantize(x, "tensorwise", role, "both")
+        assert len(got) == len(want) == 4
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous()
+            if g.element_size() == 1:
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+            else:
+                assert torch.equal(g, w)
+
+
 def test_each_forward_tensor_is_quantized_once():
     """q, k and v read one norm output: it is quantized once per usage, and saved once."""
     model, inputs = llama.build("tiny", layers=1)
