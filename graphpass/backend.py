@@ -82,6 +82,9 @@ class Backend:
             patches["post_grad_custom_pre_pass"] = post_grad_pass(
                 _source_hash(), inductor_config.post_grad_custom_pre_pass)
             patches["emulate_precision_casts"] = True
+            # Triton lowers fp32 x / y to the approximate div.full: the recipe's scale (fmax /
+            # amax) and its reciprocal would be off by an ulp, and with them the FP8 bits.
+            patches["eager_numerics.division_rounding"] = True
         return patches
 
 

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _compat
 from .config import Config, given
 from .distributed import collective_notes, fp8_distributed_notes
+from .fp8.inductor import INLINED_RECIPES, fusion_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
 from .graph.nodes import module_path, op_name
@@ -112,13 +113,9 @@ def _partition(
     fw, bw = _min_cut_weighing_random_recomputes(
         joint_module, min_cut, lambda fw, bw: Report(rows=rows_of(fw, bw, {})), log)
     log += [f"flops: estimated as one per element for {op} ({why})" for op, why in estimated.items()]
-    if (config.codegen == "inductor" and config.fuse_quantize and config.fp8 == "tensorwise"
-            and not _compat.inductor_rounds_fused_casts(device_types=[
-                p.meta["val"].device.type for p in primals
-                if isinstance(p.meta.get("val"), torch.Tensor)])):
-        log.append(f"fuse_quantize: off: torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does "
-                   "not round fused bf16 values as eager does, so fused quantizes would not give "
-                   "the recipe's FP8 bits; each quantize runs as one op (torch >= 2.13 fuses them)")
+    if config.codegen == "inductor" and config.fuse_quantize and config.fp8 in INLINED_RECIPES:
+        log += fusion_notes(device_types={p.meta["val"].device.type for p in primals
+                                          if isinstance(p.meta.get("val"), torch.Tensor)})
     if config.report:
         sources = list(_input_sources.get())
         # Dynamo's graph inputs: one per primal, or per DTensor two primals (torch 2.13+).

@@ -32,6 +32,29 @@ from . import ops
 INLINED_RECIPES = ("tensorwise",)
 
 
+def inlinable(recipe: str, role: str, device: torch.device) -> bool:
+    """Whether a quantize is inlined: tensorwise only, and on CUDA not for gradients. On an H100
+    (torch 2.11) a gradient quantize fused with its producers in the backward gave other FP8 bits
+    than the op, although the same quantize compiled on its own is exact; with gradient
+    quantizes kept as one op, the whole step is bit-identical (forward quantizes fuse exactly)."""
+    return recipe in INLINED_RECIPES and (device.type == "cpu" or role != "grad")
+
+
+def fusion_notes(*, device_types: set[str]) -> list[str]:
+    """Report notes for the quantizes ``fuse_quantize`` leaves as one op on these devices."""
+    from .. import _compat
+
+    if not _compat.inductor_rounds_fused_casts(device_types=device_types):
+        return [f"fuse_quantize: off: torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does "
+                "not round fused bf16 values as eager does, so fused quantizes would not give "
+                "the recipe's FP8 bits; each quantize runs as one op (torch >= 2.13 fuses them)"]
+    if "cuda" in device_types:
+        return ["fuse_quantize: gradient quantizes run as one op on CUDA: fused with their "
+                "producers in the backward they gave other FP8 bits than the op (H100, torch "
+                "2.11); forward quantizes are fused"]
+    return []
+
+
 @functools.lru_cache(maxsize=1)
 def _patterns() -> Any:
     """The pattern pass, built on first use (importing Inductor's pattern matcher is slow)."""
@@ -43,7 +66,8 @@ def _patterns() -> Any:
     @register_graph_pattern(
         CallFunction(torch.ops.graphpass.quantize.default, KeywordArg("x"), KeywordArg("recipe"),
                      KeywordArg("role"), KeywordArg("usage")),
-        extra_check=lambda match: match.kwargs["recipe"] in INLINED_RECIPES,
+        extra_check=lambda match: inlinable(match.kwargs["recipe"], match.kwargs["role"],
+                                            match.kwargs["x"].meta["val"].device),
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
