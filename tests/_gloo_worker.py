@@ -11,6 +11,7 @@ compares.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -224,20 +225,21 @@ def tp(rank: int, out: str) -> None:
 
 
 def tp_ref(out: str) -> None:
-    """The same block unsharded in one process: compiled with the same FP8 backend, and
-    uncompiled in float32."""
+    """The same block unsharded in one process: compiled with the same FP8 backend, and the
+    same weights and input in float32, uncompiled. (Copied, not rebuilt in float32: on torch
+    2.11 the tiny model's initialisation draws differently per dtype.)"""
+    model, (x,) = llama.build("tiny", layers=1, dtype=torch.bfloat16)
+    cfg = model.config
     results = {}
-    for name, dtype, options in (("fp8", torch.bfloat16, BACKENDS["fp8"]),
-                                 ("fp32", torch.float32, None)):
+    for name, block, dtype, options in (
+            ("fp8", model.layers[0], torch.bfloat16, BACKENDS["fp8"]),
+            ("fp32", copy.deepcopy(model.layers[0]).float(), torch.float32, None)):
         torch._dynamo.reset()
-        model, (x,) = llama.build("tiny", layers=1, dtype=dtype)
-        block = model.layers[0]
-        cfg = model.config
         cos, sin = _common.rope_cos_sin(cfg.seq, cfg.head_dim, cfg.rope_theta, x.device, dtype)
-        x = x.detach().requires_grad_()
+        x_in = x.detach().to(dtype).requires_grad_()
         run = torch.compile(block, backend=graphpass.backend(**options)) if options else block
-        y = _tp_step(run, x, cos, sin, _tp_probe(dtype))
-        results[name] = dict(out=y, x_grad=x.grad.clone(), grads=_grads(block))
+        y = _tp_step(run, x_in, cos, sin, _tp_probe(torch.bfloat16))  # one probe for both
+        results[name] = dict(out=y, x_grad=x_in.grad.clone(), grads=_grads(block))
     torch.save(results, os.path.join(out, "tp_ref.pt"))
 
 
