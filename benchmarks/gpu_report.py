@@ -127,7 +127,8 @@ def predicted_bytes(model_name: str, options: dict[str, object] | None, mode: Mo
         return None, f"plan failed: {reason(e)}"
     # The measurement starts with the model's inputs allocated; the plan counts a saved input
     # (the layer input the first norm needs) as an activation. Compare what the forward creates.
-    return report.activation_bytes - report.bytes_by("kind").get("input", 0), ""
+    inputs = sum(r.bytes for r in report.rows if r.op == "input" and r.is_activation)
+    return report.activation_bytes - inputs, ""
 
 
 def run_pytest_gpu(timeout_s: int) -> tuple[str, str]:

@@ -210,6 +210,21 @@ def placeholder_source(node: fx.Node) -> str | None:
     return name() if callable(name) else name
 
 
+def fsdp_managed_input(node: fx.Node) -> bool:
+    """A dynamo graph input read from a module FSDP manages (``fully_shard`` marks it; dynamo
+    gives its parameters an FSDP guard source): under FSDP2, a weight FSDP all-gathered before
+    the graph runs. ``Source.guard_source`` is a cached property in 2.11 through 2.14.1; the base
+    class raises NotImplementedError, so a source kind without one is no FSDP module's."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return False
+    try:
+        guard = source.guard_source
+    except NotImplementedError:
+        return False
+    return bool(guard.is_fsdp_module())
+
+
 def custom_partitioner_base() -> type:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
@@ -286,22 +301,43 @@ def primals(joint: fx.GraphModule) -> list[fx.Node]:
     return [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
 
 
-def static_primal_positions(primals: list[fx.Node], static: list[int]) -> list[int]:
-    """Positions among the joint graph's primals of the inputs torch calls static (parameters,
-    buffers). ``static`` counts AOTAutograd's inputs before tensor subclasses are flattened:
-    from torch 2.13 a DTensor parameter becomes two primals (its ``_local_tensor`` and its
-    ``device_mesh``), so the positions shift. Each primal's input descriptor (``meta["desc"]``,
-    a ``SubclassGetAttrAOTInput`` over the ``PlainAOTInput(idx)`` it came from) names the input;
-    without subclass descriptors (torch 2.11, or no subclass input), the indices are positions
-    already."""
+def _input_descriptors(primals: list[fx.Node]) -> list[Any] | None:
+    """Each primal's input descriptor walked down to the input it came from (through a tensor
+    subclass's attributes: from torch 2.13 a DTensor input becomes two primals, its
+    ``_local_tensor`` and its ``device_mesh``, each a ``SubclassGetAttrAOTInput`` over the
+    ``PlainAOTInput(idx)`` of the DTensor). None where nothing was flattened (no subclass
+    descriptors: torch 2.11, or no subclass input): the primals are the inputs then."""
     descs = [n.meta.get("desc") for n in primals]
     if not all(descs) or not any(getattr(d, "base", None) is not None for d in descs):
+        return None
+    walked = []
+    for desc in descs:
+        while getattr(desc, "base", None) is not None:
+            desc = desc.base
+        walked.append(desc)
+    return walked
+
+
+def primal_input_indices(primals: list[fx.Node]) -> list[int | None]:
+    """For each primal, the index of the AOTAutograd input (dynamo's graph input) it comes
+    from: a DTensor's local shard and mesh both map to the DTensor's input."""
+    descs = _input_descriptors(primals)
+    if descs is None:
+        return list(range(len(primals)))
+    return [getattr(desc, "idx", None) for desc in descs]
+
+
+def static_primal_positions(primals: list[fx.Node], static: list[int]) -> list[int]:
+    """Positions among the joint graph's primals of the inputs torch calls static (parameters,
+    buffers). ``static`` counts AOTAutograd's inputs before tensor subclasses are flattened
+    (``_input_descriptors``), so from torch 2.13 the positions of a graph with DTensor inputs
+    shift."""
+    descs = _input_descriptors(primals)
+    if descs is None:
         return [i for i in static if i < len(primals)]  # nothing flattened: positions as given
     wanted = set(static)
     positions = []
     for pos, desc in enumerate(descs):
-        while getattr(desc, "base", None) is not None:  # through subclass attributes
-            desc = desc.base
         idx = getattr(desc, "idx", None)
         if idx is not None and idx in wanted:
             positions.append(pos)

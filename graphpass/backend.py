@@ -7,7 +7,7 @@ import contextvars
 import functools
 import hashlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -18,10 +18,18 @@ from .pipeline import run
 from .report import Report
 from .reporting import remember
 
-# The user's names of the inputs of the graph being compiled (dynamo's sources), for the report's
-# parameter rows: set around a compile, read by the partitioner that compile calls.
-_input_sources: contextvars.ContextVar[Sequence[str | None]] = contextvars.ContextVar(
-    "graphpass_input_sources", default=())
+class GraphInputs(NamedTuple):
+    """What the report needs to know of the inputs of the graph dynamo is compiling."""
+
+    sources: tuple[str | None, ...] = ()
+    """The user's names of the inputs (dynamo's sources), for the report's parameter rows."""
+    fsdp: bool = False
+    """Whether any is a weight FSDP2 manages (all-gathered before the graph runs)."""
+
+
+# Set around a compile, read by the partitioner that compile calls.
+_graph_inputs: contextvars.ContextVar[GraphInputs] = contextvars.ContextVar(
+    "graphpass_graph_inputs", default=GraphInputs())
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +56,8 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
         fw, bw, report = run(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                              static_lifetime_input_indices=static_lifetime_input_indices,
                              config=self.config, compiler=compiler,
-                             input_sources=_input_sources.get())
+                             input_sources=_graph_inputs.get().sources,
+                             fsdp=_graph_inputs.get().fsdp)
         if report is not None:
             self.reports.append(report)
             remember(report)
@@ -103,6 +112,9 @@ class Backend:
             patches["post_grad_custom_pre_pass"] = post_grad_pass(
                 _source_hash(), _compat.inductor_config().post_grad_custom_pre_pass)
             patches["emulate_precision_casts"] = True
+            # Triton lowers fp32 x / y to the approximate div.full: the recipe's scale (fmax /
+            # amax) and its reciprocal would be off by an ulp, and with them the FP8 bits.
+            patches["eager_numerics.division_rounding"] = True
         return patches
 
 
@@ -136,13 +148,15 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner
 
 @contextlib.contextmanager
 def input_sources(gm: fx.GraphModule) -> Iterator[None]:
-    """Around the compile of dynamo's graph ``gm``: its inputs' sources, for the partitioner."""
-    token = _input_sources.set([_compat.placeholder_source(n)
-                                for n in gm.graph.find_nodes(op="placeholder")])
+    """Around the compile of dynamo's graph ``gm``: what its inputs are, for the partitioner."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    token = _graph_inputs.set(GraphInputs(
+        sources=tuple(_compat.placeholder_source(n) for n in placeholders),
+        fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders)))
     try:
         yield
     finally:
-        _input_sources.reset(token)
+        _graph_inputs.reset(token)
 
 
 def backend(**options: Any) -> Backend:

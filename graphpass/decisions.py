@@ -28,7 +28,9 @@ class What(enum.Enum):
     NOT_LOWERED = "not lowered: {module}: {why}"
     KERNELS = "kernels: {why}"
     FUSE_QUANTIZE_OFF = "fuse_quantize: off: {why}"
+    FUSE_QUANTIZE_PARTLY = "fuse_quantize: {why}"
     FP8_COPY = "fp8 copy ({why})"
+    FP8_DISTRIBUTED = "fp8 under {why}"
     REQUANTIZED = "save original: {module} re-quantizes its saved input in the backward"
     # recompute and the planner
     SELECTED = "{by}: {why}"

@@ -12,6 +12,10 @@ import contextlib
 from typing import Iterator
 
 from . import _compat
+from .graph.collectives import FSDP_FP8
+
+# The report's note on FP8 under FSDP2, as it reads (a test of a sharded model looks for it).
+FSDP_FP8_NOTE = str(FSDP_FP8)
 
 
 @contextlib.contextmanager

@@ -71,9 +71,11 @@ def run(
     config: Config,
     compiler: str,
     input_sources: Sequence[str | None] = (),
+    fsdp: bool = False,
 ) -> Partition:
     """:func:`partition`, returning its report instead of keeping it; ``input_sources`` are the
-    user's names of the graph inputs, for the report's parameter rows."""
+    user's names of the graph inputs, for the report's parameter rows, ``fsdp`` whether any is a
+    weight FSDP2 manages."""
     primals = _compat.primals(joint)
     # Positions among the primals: a DTensor parameter flattens into several (torch 2.13+).
     static = _compat.static_primal_positions(primals, list(static_lifetime_input_indices or []))
@@ -85,6 +87,6 @@ def run(
         fw, bw = min_cut(joint, joint_inputs, plan=plan, config=config, saved=builder.saved,
                          num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
                          compiler=compiler)
-        report = (builder.build(fw, bw, input_sources=input_sources, assumed=assumed)
+        report = (builder.build(fw, bw, input_sources=input_sources, fsdp=fsdp, assumed=assumed)
                   if config.report else None)
     return Partition(fw, bw, report)

@@ -16,7 +16,8 @@ from . import _compat
 from ._version import __version__
 from .config import Config
 from .decisions import Decision, Plan, What
-from .graph.collectives import collective_notes
+from .fp8.inductor import INLINED_RECIPES, fusion_notes
+from .graph.collectives import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
 from .graph.outcome import outcome_notes
@@ -45,25 +46,30 @@ class ReportBuilder:
                                       static_input_names=self.parameter_names,
                                       input_sources=input_sources or {}))
 
-    def build(self, fw: fx.GraphModule, bw: fx.GraphModule, *,
-              input_sources: Sequence[str | None], assumed: dict[str, list[str]]) -> Report:
+    def build(self, fw: fx.GraphModule, bw: fx.GraphModule, *, input_sources: Sequence[str | None],
+              fsdp: bool, assumed: dict[str, list[str]]) -> Report:
         """The report of the partition used: rows, every decision as a note, and the meta.
 
         ``input_sources`` are the user's names of the graph inputs (dynamo's sources), in order;
-        ``assumed`` the unbacked sizes that were given a hint (``_compat.assumed_sizes``).
+        ``fsdp`` whether any is a weight FSDP2 manages; ``assumed`` the unbacked sizes that were
+        given a hint (``_compat.assumed_sizes``).
         """
         primals = self.plan.primals
-        named = (dict(zip((p.name for p in primals), input_sources))
-                 if len(input_sources) == len(primals) else {})
+        # Dynamo's graph inputs: one per primal, or per DTensor two primals (torch 2.13+).
+        index = _compat.primal_input_indices(primals)
+        named = ({p.name: input_sources[i] for p, i in zip(primals, index) if i is not None}
+                 if set(index) == set(range(len(input_sources))) else {})
         report = self.saved(fw, bw, {k: v for k, v in named.items() if v})
         outcome, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=self.num_fwd_outputs)
+        lowered = any(d.what is What.LOWERED for d in self.plan.decisions)
         report.decisions = [
             *self.plan.decisions,
             *(Decision(What.FLOPS_ESTIMATED, "flops", f"{op} ({why})")
               for op, why in self.estimated.items()),
-            *self._fuse_quantize_off(),
+            *self._fusion_notes(),
             *outcome,
             *collective_notes(fw, bw),  # a tensor/sequence-parallel rank's communication
+            *(fp8_distributed_notes(fw, bw, fsdp=fsdp) if lowered else []),
             *(Decision(What.SIZES_ASSUMED, "sizes", why) for why in _compat.assumed_sizes_why(assumed)),
         ]
         report.notes = [str(d) for d in report.decisions]
@@ -73,18 +79,14 @@ class ReportBuilder:
             report.meta["fp8_coverage"] = self.fp8_coverage
         return report
 
-    def _fuse_quantize_off(self) -> list[Decision]:
-        """Where the backend will not inline the quantizes although asked to: say why."""
+    def _fusion_notes(self) -> list[Decision]:
+        """Where the backend leaves quantizes as one op although ``fuse_quantize`` asks to inline
+        them: say which and why."""
         config = self.config
-        devices = [p.meta["val"].device.type for p in self.plan.primals
-                   if isinstance(p.meta.get("val"), torch.Tensor)]
-        if (config.codegen != "inductor" or not config.fuse_quantize or config.fp8 != "tensorwise"
-                or _compat.inductor_rounds_fused_casts(device_types=devices)):
+        if config.codegen != "inductor" or not config.fuse_quantize or config.fp8 not in INLINED_RECIPES:
             return []
-        return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
-            f"torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does not round fused bf16 "
-            "values as eager does, so fused quantizes would not give the recipe's FP8 bits; each "
-            "quantize runs as one op (torch >= 2.13 fuses them)"))]
+        return fusion_notes(device_types={p.meta["val"].device.type for p in self.plan.primals
+                                          if isinstance(p.meta.get("val"), torch.Tensor)})
 
 
 def remember(report: Report) -> None:

@@ -75,6 +75,10 @@ def test_llama3_70b_layer_at_tp8_plans_one_rank_by_hand_count():
             f"out), reduce_scatter_tensor x2 ({scattered // MiB}.00 MiB out)") in report.notes
     assert any(n.startswith("collectives in the backward: all_gather_into_tensor x2")
                for n in report.notes)
+    # What graphpass does not do under TP, as a note (docs/distributed.md): no FP8 all-gather,
+    # no amax reduced across ranks. (tests/test_distributed_gloo.py asserts it on real ranks.)
+    assert any(n.startswith("fp8 under tensor parallelism: quantizes run after the all-gathers, "
+                            "which move bfloat16") for n in report.notes)
     for linear in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert f"lowered: self_attn.{linear} (reference/tensorwise)" in report.notes
     for linear in ("gate_proj", "up_proj", "down_proj"):

@@ -127,6 +127,31 @@ def test_reasons_for_not_lowering():
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("role", ["input", "weight", "grad"])
+def test_eager_tensorwise_pair_is_bit_identical_to_two_quantizes(dtype, role):
+    """The op's eager tensorwise "both" (one amax, the columnwise copy a transpose of the
+    rowwise bytes) gives the bits of quantizing x and x.t() separately, as Inductor inlines it:
+    random values, overflow past the FP8 range, NaN, inf, zeros, an empty and an odd shape."""
+    from graphpass.fp8 import ops
+
+    torch.manual_seed(0)
+    big = torch.randn(48, 80) * 1e4
+    big[3, 5], big[7, 1], big[0, 0] = float("nan"), float("inf"), -float("inf")
+    for x in (torch.randn(64, 96) * 3, torch.randn(17, 33) * 1e-6, big, torch.zeros(16, 32),
+              torch.empty(0, 16)):
+        x = x.to(dtype)
+        got = torch.ops.graphpass.quantize(x, "tensorwise", role, "both")
+        want = ops._quantize(x, "tensorwise", role, "both")
+        assert len(got) == len(want) == 4
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous()
+            if g.element_size() == 1:
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+            else:
+                assert torch.equal(g, w)
+
+
 def test_each_forward_tensor_is_quantized_once():
     """q, k and v read one norm output: it is quantized once per usage, and saved once."""
     model, inputs = llama.build("tiny", layers=1)
@@ -258,10 +283,13 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
         opaque, opaque_code = _inductor_step(model, inputs, fp8="tensorwise", fuse_quantize=False)
     fused, fused_code = _inductor_step(model, inputs, fp8="tensorwise")
     assert "graphpass.quantize" in opaque_code
-    if _compat.inductor_rounds_fused_casts(device_types=[device]):
-        assert "graphpass.quantize" not in fused_code
-    else:  # torch 2.11 on CPU: fusion is off, with a note (test_fuse_quantize_off_where_...)
+    if not _compat.inductor_rounds_fused_casts(device_types=[device]):
+        # torch 2.11 on CPU: fusion is off, with a note (test_fuse_quantize_off_where_...)
         assert "graphpass.quantize" in fused_code
+    elif device == "cpu":
+        assert "graphpass.quantize" not in fused_code
+    else:  # CUDA: the gradient quantizes stay one op (fp8/inductor.py, inlinable)
+        assert 0 < fused_code.count("graphpass.quantize") < opaque_code.count("graphpass.quantize")
     assert "graphpass.fp8_gemm" in fused_code
     assert all(torch.equal(a, b) for a, b in zip(fused, opaque))
     assert len(strides) >= 2 * 3 * 7 and all(s[-1] == 1 for s in strides), strides
@@ -278,6 +306,25 @@ def test_fuse_quantize_off_where_inductor_would_change_the_bits(monkeypatch):
     assert "graphpass.quantize" in code
     assert [n for n in graphpass.last_report().notes if n.startswith("fuse_quantize: off: torch ")
             and "each quantize runs as one op" in n]
+
+
+def test_which_quantizes_are_inlined_and_the_notes_that_say_so(monkeypatch):
+    """Tensorwise only; on CUDA not the gradients' (their fused bits differed on an H100), and
+    the report says which quantizes stay one op on the graph's devices."""
+    from graphpass.fp8.inductor import fusion_notes, inlinable
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [inlinable("tensorwise", role, cpu) for role in ("input", "weight", "grad")] == [True] * 3
+    assert [inlinable("tensorwise", role, cuda) for role in ("input", "weight", "grad")] == [
+        True, True, False]
+    assert not inlinable("blockwise", "input", cpu) and not inlinable("mxfp8", "input", cuda)
+    monkeypatch.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: True)
+    assert fusion_notes(device_types={"cpu"}) == []
+    [note] = fusion_notes(device_types={"cuda"})
+    assert note.startswith("fuse_quantize: gradient quantizes run as one op on CUDA")
+    monkeypatch.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: False)
+    [note] = fusion_notes(device_types={"cpu", "cuda"})
+    assert note.startswith("fuse_quantize: off: torch ")
 
 
 def test_inlining_keeps_the_users_post_grad_pass_and_skips_block_recipes():

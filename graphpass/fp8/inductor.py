@@ -28,9 +28,34 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..decisions import Decision, What
 from . import ops
 
 INLINED_RECIPES = ("tensorwise",)
+
+
+def inlinable(recipe: str, role: str, device: torch.device) -> bool:
+    """Whether a quantize is inlined: tensorwise only, and on CUDA not for gradients. On an H100
+    (torch 2.11) a gradient quantize fused with its producers in the backward gave other FP8 bits
+    than the op, although the same quantize compiled on its own is exact; with gradient
+    quantizes kept as one op, the whole step is bit-identical (forward quantizes fuse exactly)."""
+    return recipe in INLINED_RECIPES and (device.type == "cpu" or role != "grad")
+
+
+def fusion_notes(*, device_types: set[str]) -> list[Decision]:
+    """The report's decisions for the quantizes ``fuse_quantize`` leaves as one op on these
+    devices."""
+    if not _compat.inductor_rounds_fused_casts(device_types=device_types):
+        return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
+            f"torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does not round fused bf16 "
+            "values as eager does, so fused quantizes would not give the recipe's FP8 bits; each "
+            "quantize runs as one op (torch >= 2.13 fuses them)"))]
+    if "cuda" in device_types:
+        return [Decision(What.FUSE_QUANTIZE_PARTLY, "fuse_quantize", (
+            "gradient quantizes run as one op on CUDA: fused with their producers in the "
+            "backward they gave other FP8 bits than the op (H100, torch 2.11); forward quantizes "
+            "are fused"))]
+    return []
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,7 +67,8 @@ def _patterns() -> Any:
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
                         pm.KeywordArg("role"), pm.KeywordArg("usage")),
-        extra_check=lambda match: match.kwargs["recipe"] in INLINED_RECIPES,
+        extra_check=lambda match: inlinable(match.kwargs["recipe"], match.kwargs["role"],
+                                            match.kwargs["x"].meta["val"].device),
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:

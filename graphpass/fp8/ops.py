@@ -49,7 +49,19 @@ def _quantize_fake(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor
     return _quantize(x, recipe, role, usage)
 
 
-quantize = torch.library.custom_op("graphpass::quantize", _quantize, mutates_args=())
+def _quantize_op(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
+    # Run eagerly (codegen="eager", block recipes, quantizes Inductor leaves as one op), a
+    # tensorwise pair from one amax: the columnwise copy is the rowwise one transposed, bit for
+    # bit (same scale, elementwise cast), so one 1-byte transpose replaces a second amax and cast
+    # over x. Inductor inlines ``_quantize`` itself (fp8/inductor.py) and fuses both copies.
+    if usage == "both" and recipe == "tensorwise" and x.dim() == 2:
+        data, scale_inv = recipes.quantize(x, recipe, role)
+        return [data, scale_inv, data.t().clone(memory_format=torch.contiguous_format),
+                scale_inv.clone()]
+    return _quantize(x, recipe, role, usage)
+
+
+quantize = torch.library.custom_op("graphpass::quantize", _quantize_op, mutates_args=())
 quantize.register_fake(_quantize_fake)
 
 

@@ -40,3 +40,29 @@ def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
                               for op, n in sorted(counts.items()))
             notes.append(Decision(What.COLLECTIVES, "distributed", f"{name}: {parts}"))
     return notes
+
+
+FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
+    "FSDP2: each weight is quantized after FSDP's all-gather, from the unsharded weight (one "
+    "scale per weight, as in one process); the all-gather moves the parameter dtype: FP8 "
+    "all-gather (torchao's float8 FSDP weights) is not supported; activation amaxes are this "
+    "rank's batch rows, not reduced across data-parallel ranks"))
+
+
+def fp8_distributed_notes(fw: fx.GraphModule, bw: fx.GraphModule, *, fsdp: bool) -> list[Decision]:
+    """What graphpass does not do for FP8 in a distributed graph (docs/distributed.md): no FP8
+    all-gather (FSDP2's weights, sequence-parallel inputs), no amax reduced across ranks."""
+    notes = [FSDP_FP8] if fsdp else []
+    moved = sorted({str(node.meta["val"].dtype).removeprefix("torch.")
+                    for gm in (fw, bw) for node in gm.graph.nodes
+                    if node.op == "call_function"
+                    and getattr(node.target, "__name__", "").startswith("all_gather_into_tensor")
+                    and isinstance(node.meta.get("val"), torch.Tensor)})
+    if moved:
+        notes.append(Decision(What.FP8_DISTRIBUTED, "fp8", (
+            f"tensor parallelism: quantizes run after the all-gathers, which move "
+            f"{', '.join(moved)} (FP8 all-gather of sequence-parallel inputs, as Transformer "
+            "Engine does, is not supported), so a gathered input has one scale, the same on every "
+            "rank; no amax is reduced across ranks: a weight shard or a row-parallel input "
+            "scales by this rank's shard")))
+    return notes

@@ -1,0 +1,81 @@
+"""Where one compiled training step spends its GPU time: the top kernels of one config.
+
+    PYTHONPATH=. python benchmarks/profile_step.py --model llama --fp8 tensorwise --kernels scaled_mm
+    PYTHONPATH=. python benchmarks/profile_step.py --model llama              # bf16, for comparison
+
+One real-size layer, bf16 weights, a few steps after warm-up under ``torch.profiler``; prints the
+kernels by total CUDA time (self time, summed over the profiled steps, divided by the step count)
+and the share of the step spent in GEMMs, in graphpass's FP8 ops and in everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import graphpass  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt", "deepseek"])
+    parser.add_argument("--fp8", default=None, choices=["tensorwise", "blockwise", "mxfp8"])
+    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--fuse-quantize", default=None, choices=["true", "false"])
+    parser.add_argument("--default-backend", action="store_true",
+                        help="torch.compile's default (Inductor, torch's partitioner), no graphpass")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_step.py needs a CUDA device")
+
+    model, inputs = importlib.import_module(f"examples.{args.model}").build(
+        "real", layers=1, device="cuda", dtype=torch.bfloat16)
+    if args.default_backend:
+        backend = "inductor"
+    else:
+        options: dict[str, object] = {"fp8": args.fp8}
+        if args.fp8:
+            options["kernels"] = args.kernels
+            if args.fuse_quantize:
+                options["fuse_quantize"] = args.fuse_quantize == "true"
+        backend = graphpass.backend(**options)
+    compiled = torch.compile(model, backend=backend)
+
+    def step() -> None:
+        out = compiled(*inputs)
+        out.backward(torch.ones_like(out))
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / args.steps / 1e3
+    print(f"{args.model}, {'torch default' if args.default_backend else backend!r}: "
+          f"{total:.2f} ms of kernels per step")
+
+    def share(match) -> float:
+        return sum(e.self_device_time_total for e in events if match(e.key.lower())) / args.steps / 1e3
+
+    gemm = share(lambda k: "gemm" in k or "sm90" in k or "cutlass" in k or "nvjet" in k)
+    print(f"GEMM kernels: {gemm:.2f} ms ({gemm / total:.0%}); other: {total - gemm:.2f} ms")
+    print(f"{'ms/step':>8} {'calls/step':>10}  kernel")
+    for e in events[:args.top]:
+        print(f"{e.self_device_time_total / args.steps / 1e3:8.3f} {e.count / args.steps:10.1f}  "
+              f"{e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
