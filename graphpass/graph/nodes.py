@@ -7,6 +7,8 @@ import re
 import torch
 import torch.fx as fx
 
+from .. import _compat
+
 _MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]|\._(?:modules|parameters|buffers)\[")
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -83,9 +85,10 @@ def is_backward(node: fx.Node) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
-    """An op torch treats as random (``nondeterministic_seeded``): dropout, rand, Inductor's
-    seeds, attention. Recomputing one draws new numbers unless torch replays its RNG state."""
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """An op that draws random numbers: dropout, rand, Inductor's seeds, attention with dropout
+    (not attention whose ``dropout_p`` is 0). Recomputing one draws new numbers unless torch
+    replays its RNG state, which it saves for the backward."""
+    return _compat.is_rng_op(node)
 
 
 def tensor_val(node: fx.Node) -> torch.Tensor | None:
