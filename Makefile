@@ -27,12 +27,13 @@ FP8 ?= tensorwise
 
 setup: $(VENV)/.installed
 
+# One pip run installs torch and the test extras (one resolution; a torch already at $(TORCH),
+# a +cpu build included, is kept). --no-compile: byte-compiling every installed module (torch,
+# transformers, sympy: over 10,000 files) costs more than compiling the ones the suite imports.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$(TORCH)')" 2>/dev/null \
-		|| $(PY) -m pip install -q "torch==$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile "torch==$(TORCH)" -e ".[test]"
 	touch $@
 
 demo: setup

@@ -123,6 +123,38 @@ def assumed_sizes_why(assumed: dict[str, list[str]]) -> list[str]:
     return [f"unbacked {sym} assumed {UNBACKED_SIZE_HINT} in {places(p)}" for sym, p in assumed.items()]
 
 
+def is_rng_op(node: fx.Node) -> bool:
+    """Whether recomputing ``node`` would draw new random numbers: an op tagged
+    ``nondeterministic_seeded`` (dropout, rand, Inductor's seeds, attention), except attention
+    whose ``dropout_p`` is statically 0, which draws none and recomputes bit-identically.
+
+    torch 2.14 decides so itself (``partitioners.is_rng_op``, pytorch/pytorch#187985) and saves
+    no RNG state for a recomputed dropout-free attention; 2.11 and 2.13 treat every tagged op as
+    random. graphpass uses torch 2.14's rule on every version (see ``min_cut_partition``).
+    """
+    from torch._functorch import partitioners
+
+    if hasattr(partitioners, "is_rng_op"):  # torch >= 2.14
+        return partitioners.is_rng_op(node)
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    at = names.index("dropout_p")
+    default = target._schema.arguments[at].default_value
+    dropout_p = (node.args[at] if len(node.args) > at
+                 else node.kwargs.get("dropout_p", default))
+    if dropout_p is None:
+        return True
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return not statically_known_true(dropout_p == 0.0)
+
+
 def min_cut_partition(
     joint: fx.GraphModule,
     joint_inputs: Any,
@@ -131,16 +163,53 @@ def min_cut_partition(
     static_lifetime_input_indices: list[int] | None,
     compiler: str = "inductor",
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """torch's min-cut rematerialization partitioner (same signature in 2.11 and 2.13)."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    """torch's min-cut rematerialization partitioner (same signature in 2.11 through 2.14.1).
 
-    return min_cut_rematerialization_partition(
-        joint,
-        joint_inputs,
-        compiler=compiler,
-        num_fwd_outputs=num_fwd_outputs,
-        static_lifetime_input_indices=static_lifetime_input_indices,
-    )
+    A recomputed random op runs in the backward under an RNG state the forward saves for it. On
+    torch 2.11 and 2.13 the partitioner does that for dropout-free attention too, saving a CPU
+    generator state (5,056 B) per recomputed attention that replays no random number; there
+    graphpass hides such ops from the partitioner's RNG functionalization, so every version saves
+    the same tensors as 2.14, which skips them itself (``is_rng_op``).
+    """
+    from torch._functorch import partitioners
+
+    with _rng_functionalization_of_random_ops_only(partitioners):
+        return partitioners.min_cut_rematerialization_partition(
+            joint,
+            joint_inputs,
+            compiler=compiler,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices,
+        )
+
+
+@contextlib.contextmanager
+def _rng_functionalization_of_random_ops_only(partitioners: Any) -> Iterator[None]:
+    """On torch < 2.14: ``functionalize_rng_ops`` skips recomputed ops that ``is_rng_op`` calls
+    deterministic. It picks the ops to wrap from the joint graph's ``recompute`` tags, so each
+    such op's tag is lifted for the call and put back after (the forward and backward graphs
+    are already split by then: the tag has done its work)."""
+    if hasattr(partitioners, "is_rng_op"):  # torch >= 2.14 does it itself
+        yield
+        return
+    original = partitioners.functionalize_rng_ops
+
+    def functionalize_rng_ops(joint_module: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        lifted = {n: n.meta.pop("recompute") for n in joint_module.graph.nodes
+                  if "recompute" in n.meta and n.op == "call_function"
+                  and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+                  and not is_rng_op(n)}
+        try:
+            return original(joint_module, *args, **kwargs)
+        finally:
+            for node, policy in lifted.items():
+                node.meta["recompute"] = policy
+
+    partitioners.functionalize_rng_ops = functionalize_rng_ops
+    try:
+        yield
+    finally:
+        partitioners.functionalize_rng_ops = original
 
 
 @contextlib.contextmanager
@@ -295,10 +364,15 @@ def dtensor_from_local(local: torch.Tensor, like: Any) -> Any:
                               shape=like.shape, stride=like.stride())
 
 
+def is_tangent(node: fx.Node) -> bool:
+    """A backward input of an AOTAutograd joint graph (a gradient), which it names
+    ``tangents_N``."""
+    return node.op == "placeholder" and "tangents" in node.name
+
+
 def primals(joint: fx.GraphModule) -> list[fx.Node]:
-    """The forward inputs of an AOTAutograd joint graph: its placeholders but the tangents, which
-    AOTAutograd names ``tangents_N``."""
-    return [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    """The forward inputs of an AOTAutograd joint graph: its placeholders but the tangents."""
+    return [n for n in joint.graph.find_nodes(op="placeholder") if not is_tangent(n)]
 
 
 def _input_descriptors(primals: list[fx.Node]) -> list[Any] | None:

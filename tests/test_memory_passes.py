@@ -95,12 +95,11 @@ def test_unoptimised_fp8_keeps_fp8_copies_beside_originals():
 
 def test_full_recompute_saves_layer_boundaries_only():
     report = _plan(llama, dict(recompute=("full",)), seq=64)
-    # x, the two layer outputs (one is read by the final norm), the final norm's statistic, and
-    # the RNG state each layer's attention is recomputed under (torch treats SDPA as random)
+    # x, the two layer outputs (one is read by the final norm) and the final norm's statistic; no
+    # RNG state: the attention (dropout_p=0) draws no random numbers, so its recompute replays none
     assert sorted((r.module, r.kind, r.shape) for r in report.rows if r.kind != "parameter") == sorted([
         ("input:x", "activation", (2, 64, 256)), ("layers.0", "activation", (2, 64, 256)),
-        ("layers.1", "activation", (2, 64, 256)), ("norm", "activation", (2, 64, 1)),
-        ("", "rng_state", (5056,)), ("", "rng_state", (5056,))])
+        ("layers.1", "activation", (2, 64, 256)), ("norm", "activation", (2, 64, 1))])
 
 
 def test_recompute_include_narrows_selection():
@@ -246,8 +245,8 @@ def _grads_and_report(model, x, cfg, codegen="eager"):
 # GRAPHPASS_PROPERTY_EXAMPLES=300 hunts longer (about 1.3 s per example on 2 cores).
 @settings(max_examples=int(os.environ.get("GRAPHPASS_PROPERTY_EXAMPLES", "10")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
-# counterexamples found earlier, kept: a 5 KB CPU RNG state saved for a recomputed attention, and
-# `act` selecting only the views around a GELU called in the layer's own forward
+# counterexamples found earlier, kept: a 5 KB CPU RNG state saved for a recomputed (dropout-free)
+# attention, and `act` selecting only the views around a GELU called in the layer's own forward
 @example(kinds=["attn"], dim=32, fp8=None, save="auto", memory="auto", recompute={"core_attn"}, seed=0)
 @example(kinds=["mlp"], dim=32, fp8="tensorwise", save="auto", memory="auto", recompute={"act"}, seed=0)
 @given(kinds=st.lists(st.sampled_from(["mlp", "rms", "attn", "drop"]), min_size=1, max_size=3),
@@ -332,25 +331,26 @@ def test_separate_stream_offload_ops_trace_under_fake_tensors():
 
 
 def test_recomputed_attention_counts_its_flops():
-    """core_attn recomputes SDPA under its saved RNG state; its FLOPs (4*b*h*s*s*d forward, by
+    """core_attn recomputes SDPA (dropout-free: no RNG state); its FLOPs (4*b*h*s*s*d forward, by
     torch's formula, also for the CPU kernel plan() traces) count toward the recompute."""
     report = _plan(llama, dict(recompute=("core_attn",)), layers=1, seq=64)
     b, h, s, d = 2, 4, 64, 64
     assert report.meta["recompute_flops"] >= 4 * b * h * s * s * d
-    assert "recomputed: aten::_scaled_dot_product_flash_attention_for_cpu under its saved RNG state in backward: layers.0.self_attn" in report.notes
+    assert "recomputed: core_attn in backward: layers.0.self_attn" in report.notes
+    assert not [r for r in report.rows if r.kind == "rng_state"]
 
 
-def test_the_rng_state_of_a_recomputed_attention_is_a_recomputed_row():
-    """torch saves an RNG state for each attention core_attn recomputes: that row is saved for the
-    recompute and says so, typed, so assertions and plots read it without parsing text."""
+def test_the_rng_state_of_a_recomputed_dropout_is_a_recomputed_row():
+    """torch saves an RNG state for each random op a recompute selection recomputes (here a
+    dropout under ``full``): that row is saved for the recompute and says so, typed, so
+    assertions and plots read it without parsing text."""
     from graphpass.testing import is_offloaded, is_recomputed
 
-    report = _plan(llama, dict(recompute=("core_attn",)), layers=1, seq=64)
+    _, report = _dropout_plans(256)
     rng = [r for r in report.rows if r.kind == "rng_state"]
     assert len(rng) == 1 and is_recomputed(rng[0]) and not is_offloaded(rng[0])
-    assert rng[0].decision == "recomputed: core_attn (replayed under this RNG state)"
-    assert [(d.what, d.by) for d in rng[0].decisions] == [
-        (graphpass.What.RECOMPUTED, "recompute core_attn")]
+    assert rng[0].decision == "recomputed: full (replayed under this RNG state)"
+    assert [(d.what, d.by) for d in rng[0].decisions] == [(graphpass.What.RECOMPUTED, "recompute full")]
     assert [r for r in report.rows if is_recomputed(r)] == rng
 
 
@@ -402,24 +402,53 @@ def test_save_original_notes_name_inputs_only():
     assert "save original: layers.0.self_attn.o_proj re-quantizes its saved input in the backward" in auto.notes
 
 
-def test_recompute_of_a_random_op_is_kept_only_where_it_saves_bytes():
+def test_dropout_free_attention_is_recomputed_without_an_rng_state():
     """Found by test_random_stacks_and_policies: one attention block, dim 32, core_attn recompute.
 
-    torch tags SDPA random (it may drop out), so a recomputed SDPA gets its RNG state saved: on
-    CPU the 5,056-byte generator state, more than the output + log-sum-exp (4,352 B) it
-    discards. The pipeline partitions a second time with the random ops kept saved and keeps
-    the plan that saves less: here exactly the bytes of the plan without core_attn."""
+    torch tags SDPA random (it may drop out), but with dropout_p=0 it draws no random number, so
+    its recompute needs no RNG state. torch 2.11 and 2.13 saved one anyway (on CPU the 5,056-byte
+    generator state, more than the output + log-sum-exp, 4,352 B, the recompute discards); torch
+    2.14 does not (pytorch/pytorch#187985), and graphpass applies 2.14's rule on every version
+    (``_compat.min_cut_partition``): the recompute saves exactly those 4,352 B."""
     torch.manual_seed(0)
     model = _Stack(32, ["attn"])
     x = torch.randn(2, 16, 32, requires_grad=True)
     without = graphpass.plan(model, x, config=graphpass.Config(memory="auto"))
     chosen = graphpass.plan(model, x, config=graphpass.Config(memory="auto", recompute=("core_attn",)))
-    assert chosen.activation_bytes == without.activation_bytes == 29_056
+    assert without.activation_bytes == 29_056
+    assert chosen.activation_bytes == 29_056 - 4_352
     assert not [r for r in chosen.rows if r.kind == "rng_state"]
-    assert ("recompute: kept saved, not recomputed: aten._scaled_dot_product_flash_attention_for_cpu "
-            "in layers.0; recomputing would save their RNG state (5,056 B) and 704 B more in all"
-            ) in chosen.notes
-    # where the recompute wins, it stays: see test_recomputed_attention_counts_its_flops
+    assert "recomputed: core_attn in backward: layers.0" in chosen.notes
+    assert not [n for n in chosen.notes if n.startswith("recompute: kept saved")]
+
+
+def _dropout_plans(dim):
+    """Reports of one dropout block (p=0.1) without and with ``full`` recompute, eager codegen
+    (torch's dropout op; Inductor's seeds are never recomputed)."""
+    torch.manual_seed(0)
+    model = _Stack(dim, ["drop"])
+    x = torch.randn(2, 16, dim)
+    return (_grads_and_report(model, x, dict(memory="auto"))[1],
+            _grads_and_report(model, x, dict(memory="auto", recompute=("full",)))[1])
+
+
+def test_recompute_of_a_random_op_is_kept_only_where_it_saves_bytes():
+    """torch recomputes a random op (dropout) under an RNG state it saves for it: on CPU the
+    5,056-byte generator state. At dim 32 that outweighs what the recompute discards, so the
+    pipeline partitions a second time with the random op kept saved and keeps the plan that
+    saves less: the block input (2x16x32 fp32, 4,096 B) and dropout's mask (1,024 B). At dim
+    256 the recompute saves more than the state costs, and stays: the block input (32,768 B)
+    and the RNG state."""
+    without, small = _dropout_plans(32)
+    assert small.activation_bytes == 4_096 + 1_024 < without.activation_bytes
+    assert not [r for r in small.rows if r.kind == "rng_state"]
+    assert ("recompute: kept saved, not recomputed: aten.native_dropout in layers.0.drop; "
+            "recomputing would save their RNG state (5,056 B) and 4,032 B more in all") in small.notes
+    without, big = _dropout_plans(256)
+    assert [r.bytes for r in big.rows if r.kind == "rng_state"] == [5_056]
+    assert big.activation_bytes == 32_768 + 5_056 < without.activation_bytes
+    assert "recomputed: aten::native_dropout under its saved RNG state in backward: layers.0.fc2" in big.notes
+    assert not [n for n in big.notes if n.startswith("recompute: kept saved")]
 
 
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])

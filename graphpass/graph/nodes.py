@@ -66,9 +66,10 @@ def is_backward(node: fx.Node) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
-    """An op torch treats as random (``nondeterministic_seeded``): dropout, rand, Inductor's
-    seeds, attention. Recomputing one draws new numbers unless torch replays its RNG state."""
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """An op that draws random numbers: dropout, rand, Inductor's seeds, attention with dropout
+    (not attention whose ``dropout_p`` is 0). Recomputing one draws new numbers unless torch
+    replays its RNG state, which it saves for the backward."""
+    return _compat.is_rng_op(node)
 
 
 def tensor_val(node: fx.Node) -> torch.Tensor | None:

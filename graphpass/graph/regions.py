@@ -48,11 +48,18 @@ def _under(path: str, prefixes: Iterable[str]) -> bool:
     return any(path == p or path.startswith(p + ".") for p in prefixes)
 
 
+# Inductor's one seed buffer for all random ops of a graph (its ``replace_random`` joint pass) is
+# no module's own: torch 2.14 copies the first dropout's module path onto it, 2.13 none, so a
+# selection would take it on one version only. Recomputing it would save the generator's whole
+# state (5 KB on CPU) for the backward instead of the seeds' 8 bytes anyway.
+_NO_MODULE_OPS = frozenset({"prims.inductor_seeds"})
+
+
 class Regions:
     """The Megatron module classes of the forward nodes of one joint graph."""
 
     def __init__(self, joint: fx.GraphModule) -> None:
-        self.nodes = forward_calls(joint)
+        self.nodes = [n for n in forward_calls(joint) if op_name(n) not in _NO_MODULE_OPS]
         self._node_set = set(self.nodes)
         self.paths = {p for n in self.nodes for p, _ in module_stack(n)}
         self.attention_modules = {module_path(n) for n in self.nodes if is_attention(n)}

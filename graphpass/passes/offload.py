@@ -23,8 +23,16 @@ from ..report import format_bytes
 
 
 def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+    # Every value the forward can compute may be saved: backward nodes too, where they read no
+    # tangent, since the min-cut may run them in the forward and save their output (torch 2.14
+    # saves a LayerNorm backward's normalized input where 2.13 saves the forward's equal one).
+    reads_tangents: set[fx.Node] = set()
     for node in joint.graph.nodes:
-        if node.op not in ("placeholder", "call_function") or is_backward(node):
+        if _compat.is_tangent(node) or (
+                is_backward(node) and any(i in reads_tangents for i in node.all_input_nodes)):
+            reads_tangents.add(node)
+            continue
+        if node.op not in ("placeholder", "call_function"):
             continue
         reason = why_not_offloaded(node, config, is_parameter=node in plan.parameters)
         what = (What.NOT_OFFLOADED if reason else What.OFFLOAD if config.offload

@@ -16,9 +16,9 @@ from ..graph.nodes import is_random, module_path
 
 
 def random_recomputes(joint: fx.GraphModule) -> list[fx.Node]:
-    """Selected nodes whose op torch treats as random (``nondeterministic_seeded``: dropout, and
-    attention even without it). torch recomputes them under an RNG state it saves for each, on
-    CPU a 5 KB generator state, which can outweigh the outputs they discard."""
+    """Selected nodes whose op draws random numbers (dropout, attention with dropout; not
+    dropout-free attention, ``_compat.is_rng_op``). torch recomputes them under an RNG state it
+    saves for each, on CPU a 5 KB generator state, which can outweigh the outputs they discard."""
     return [n for n in joint.graph.nodes
             if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE and is_random(n)
             and user_policy(n) is None]  # the user's own policy is theirs to weigh
