@@ -88,7 +88,7 @@ def _fsdp_whole_model(rank: int) -> dict:
             loss.backward()
         losses.append(loss.detach())
         gemms.append(sum(e.name == "graphpass::fp8_gemm" for e in prof.events()))
-    reports = backend.partitioner.reports
+    reports = list(backend.partitioner.reports)  # the graphs compiled so far
     return dict(losses=losses, fp8_gemms=gemms, reports=_report_summary(reports))
 
 
@@ -116,7 +116,7 @@ def _fsdp(mode: str, rank: int) -> dict:
         losses.append(loss.detach())
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
-    reports = backend.partitioner.reports
+    reports = list(backend.partitioner.reports)  # the graphs compiled so far
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     return dict(losses=losses, grads=grads, params=params, reports=_report_summary(reports))
 
@@ -152,7 +152,7 @@ def _fsdp_ref(mode: str) -> dict:
             p.grad = avg[n].clone()
         grads.append(avg)
         opt.step()
-    reports = backend.partitioner.reports
+    reports = list(backend.partitioner.reports)  # the graphs compiled so far
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def whole_batch(dtype, compiled: bool):
@@ -219,7 +219,7 @@ def tp(rank: int, out: str) -> None:
         backend = graphpass.backend(**BACKENDS["fp8"], **options)
         compiled = torch.compile(block, backend=backend)
         y = _tp_step(compiled, x, cos, sin, probe)
-        reports = backend.partitioner.reports
+        reports = list(backend.partitioner.reports)  # the graphs compiled so far
         results[plan] = dict(out=y, x_grad=x.grad.clone(), grads=_grads(block),
                              reports=_report_summary(reports))
     torch.save(results, os.path.join(out, f"tp-{rank}.pt"))
