@@ -1,19 +1,20 @@
 """Timing and memory measurement of one training step, shared by step_time.py and gpu_report.py.
 
 A step is forward + backward of a compiled model with gradients set to None first, as a training
-step after ``zero_grad`` does. On CUDA it is timed with CUDA events and its memory read from the
-caching allocator's counters; on CPU it is timed by the wall clock and memory is not measured
-(torch keeps no allocator statistics for CPU tensors).
+step after ``zero_grad`` does. It is timed with ``torch.utils.benchmark.Timer`` (the wall clock,
+the accelerator synchronized before each reading); on CUDA its memory is read from the caching
+allocator's counters, on CPU memory is not measured (torch keeps no allocator statistics for CPU
+tensors).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.utils.benchmark as benchmark
 
 WARMUP = 3
 
@@ -44,24 +45,11 @@ def reason(error: BaseException) -> str:
     return first.split(";")[0].split(", or use")[0]
 
 
-def timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    """Milliseconds one call takes: CUDA events around it on CUDA, wall clock on CPU."""
-    if device.type == "cuda":
-        def cuda_ms(fn: Callable[[], None]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        return cuda_ms
-
-    def cpu_ms(fn: Callable[[], None]) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    return cpu_ms
+def step_ms(step: Callable[[], None], steps: int) -> float:
+    """Median milliseconds of one call of ``step`` over ``steps`` calls, timed by torch's benchmark
+    timer (it synchronizes the accelerator around each, so a CUDA step is timed to its end)."""
+    timer = benchmark.Timer(stmt="step()", globals={"step": step})
+    return statistics.median(timer.timeit(1).median for _ in range(steps)) * 1e3
 
 
 def measure(result: Result, model: torch.nn.Module, inputs: Sequence[torch.Tensor],
@@ -92,7 +80,7 @@ def measure(result: Result, model: torch.nn.Module, inputs: Sequence[torch.Tenso
     try:
         for _ in range(warmup):
             step()
-        result.ms = statistics.median(timer(device)(step) for _ in range(steps))
+        result.ms = step_ms(step, steps)
         if device.type == "cuda":
             _measure_memory(result, forward, backward, params, inputs, device)
     except Exception as e:  # a provider refusing this device, an out-of-memory, a kernel error

@@ -5,11 +5,12 @@
     print(graphpass.last_report())
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .backend import backend
 from .config import Config
-from .pipeline import last_report, partition
+from .decisions import Decision, What
+from .pipeline import partition
+from .reporting import last_report
 from .plan import plan
 from .report import Report, Row
 
@@ -17,4 +18,5 @@ from .backend import register as _register
 
 _register()
 
-__all__ = ["backend", "Config", "partition", "plan", "last_report", "Report", "Row", "__version__"]
+__all__ = ["backend", "Config", "Decision", "partition", "plan", "last_report", "Report", "Row",
+           "What", "__version__"]

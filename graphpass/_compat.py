@@ -114,13 +114,13 @@ def inductor_rounds_fused_casts(*, device_types: Iterable[str]) -> bool:
     return "cpu" not in set(device_types) or TORCH_VERSION >= (2, 13)
 
 
-def assumed_size_notes(assumed: dict[str, list[str]]) -> list[str]:
-    """Report notes for ``assumed_sizes()``: each symbol, the size assumed, where (first three)."""
+def assumed_sizes_why(assumed: dict[str, list[str]]) -> list[str]:
+    """For the report, after ``assumed_sizes()``: each symbol, the size assumed, where (the first
+    three places)."""
     def places(p: list[str]) -> str:
         return ", ".join(p[:3]) + (f" and {len(p) - 3} more" if len(p) > 3 else "")
 
-    return [f"sizes: unbacked {sym} assumed {UNBACKED_SIZE_HINT} in {places(p)}"
-            for sym, p in assumed.items()]
+    return [f"unbacked {sym} assumed {UNBACKED_SIZE_HINT} in {places(p)}" for sym, p in assumed.items()]
 
 
 def is_rng_op(node: fx.Node) -> bool:
@@ -364,6 +364,17 @@ def dtensor_from_local(local: torch.Tensor, like: Any) -> Any:
                               shape=like.shape, stride=like.stride())
 
 
+def is_tangent(node: fx.Node) -> bool:
+    """A backward input of an AOTAutograd joint graph (a gradient), which it names
+    ``tangents_N``."""
+    return node.op == "placeholder" and "tangents" in node.name
+
+
+def primals(joint: fx.GraphModule) -> list[fx.Node]:
+    """The forward inputs of an AOTAutograd joint graph: its placeholders but the tangents."""
+    return [n for n in joint.graph.find_nodes(op="placeholder") if not is_tangent(n)]
+
+
 def _input_descriptors(primals: list[fx.Node]) -> list[Any] | None:
     """Each primal's input descriptor walked down to the input it came from (through a tensor
     subclass's attributes: from torch 2.13 a DTensor input becomes two primals, its
@@ -407,3 +418,137 @@ def static_primal_positions(primals: list[fx.Node], static: list[int]) -> list[i
         elif idx is None and type(desc).__name__ in ("ParamAOTInput", "BufferAOTInput"):
             positions.append(pos)
     return positions
+
+
+def fake_store() -> Any:
+    """The store of torch's fake process group (a test utility of torch's)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+# -- ops and the nodes of AOTAutograd's graphs ----------------------------------------------------
+
+def op_name(target: Any) -> str | None:
+    """``aten.mm``, ``graphpass.quantize``, ``higher_order.run_with_rng_state`` for a node's
+    target, or None for a plain Python callable."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.replace("::", ".")
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    return None
+
+
+def is_op_overload(target: Any) -> bool:
+    """An operator overload (``torch.ops.aten.mm.default``), which FLOP formulas and tags know."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def is_higher_order(target: Any) -> bool:
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def partition_side(node: fx.Node) -> str | None:
+    """The side AOTAutograd's joint graph puts a node on (``meta["partitioner_tag"]``, read by its
+    partitioner): ``is_forward``, ``is_backward`` or ``must_be_in_backward``, None if untagged.
+    The partitioner copies the tag with the node, so a recomputed node keeps ``is_forward``."""
+    return node.meta.get("partitioner_tag")
+
+
+def set_partition_side(node: fx.Node, side: str) -> None:
+    node.meta["partitioner_tag"] = side
+
+
+def offloaded_source(node: fx.Node) -> fx.Node | None:
+    """The tensor a node of torch's activation offloading (``cpu_offload_<name>``, a
+    ``prims.device_put`` to the host) moves to the host, or None for any other node."""
+    if node.target is torch.ops.prims.device_put.default and node.name.startswith("cpu_offload_"):
+        return node.args[0]
+    return None
+
+
+# -- torch.compile's pieces ------------------------------------------------------------------------
+
+def fake_tensor_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def compile_fx(gm: fx.GraphModule, example_inputs: Any, *, config_patches: dict[str, Any]) -> Any:
+    """Inductor's compile, with ``config_patches`` for this compile only."""
+    from torch._inductor.compile_fx import compile_fx as inductor_compile
+
+    return inductor_compile(gm, example_inputs, config_patches=config_patches)
+
+
+def inductor_config() -> Any:
+    from torch._inductor import config
+
+    return config
+
+
+def aot_autograd(**kwargs: Any) -> Callable[..., Any]:
+    """torch.compile's AOTAutograd backend factory (``fw_compiler``, ``bw_compiler``,
+    ``partition_fn``, ``decompositions``)."""
+    from torch._dynamo.backends.common import aot_autograd as factory
+
+    return factory(**kwargs)
+
+
+def inductor_decompositions() -> Callable[[], Any]:
+    """Inductor's ``select_decomp_table``: AOTAutograd calls it for the table when it needs it."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table
+
+
+def custom_graph_pass_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def inductor_pattern_matcher() -> Any:
+    """Inductor's pattern matcher module (``PatternMatcherPass``, ``register_graph_pattern``...);
+    slow to import, so on first use."""
+    from torch._inductor import pattern_matcher
+
+    return pattern_matcher
+
+
+def register_backend(name: str, compiler_fn: Callable[..., Any]) -> None:
+    """Register a torch.compile backend name, unless it is registered already. Not through
+    ``torch._dynamo.list_backends``: that imports every backend module torch has, a second or so
+    on every ``import graphpass``."""
+    from torch._dynamo.backends import registry
+
+    if name not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=compiler_fn, name=name)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch's FP8 GEMM (``torch._scaled_mm``), tensorwise scales."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+
+
+def in_user_checkpoint(node: fx.Node) -> bool:
+    """Inside the user's own checkpoint region (``torch.utils.checkpoint``, a selective-checkpoint
+    policy): torch marks its nodes with ``meta["ac_graph_id"]`` beside their ``recompute`` tag."""
+    return "ac_graph_id" in node.meta
+
+
+def copy_checkpoint_tags(source: fx.Node, to: fx.Node) -> None:
+    """Put ``to`` in ``source``'s checkpoint region, with its policy, if it is in one."""
+    for key in ("recompute", "ac_graph_id"):
+        if key in source.meta:
+            to.meta[key] = source.meta[key]
+
+
+def mark_for_offload(node: fx.Node) -> None:
+    """Ask torch's activation offloading (``enable_activation_offloading``) to offload the node's
+    output if it is saved."""
+    node.meta["should_offload"] = True

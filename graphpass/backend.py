@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
 
 from . import _compat
 from .config import Config
-from .pipeline import input_sources, partition
+from .pipeline import run
+from .report import Report
+from .reporting import remember
+
+class GraphInputs(NamedTuple):
+    """What the report needs to know of the inputs of the graph dynamo is compiling."""
+
+    sources: tuple[str | None, ...] = ()
+    """The user's names of the inputs (dynamo's sources), for the report's parameter rows."""
+    fsdp: bool = False
+    """Whether any is a weight FSDP2 manages (all-gathered before the graph runs)."""
+
+
+# Set around a compile, read by the partitioner that compile calls.
+_graph_inputs: contextvars.ContextVar[GraphInputs] = contextvars.ContextVar(
+    "graphpass_graph_inputs", default=GraphInputs())
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,13 +43,25 @@ def _source_hash() -> str:
 
 
 class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
-    """graphpass's partition as Inductor's ``custom_partitioner_fn``."""
+    """graphpass's partition as Inductor's ``custom_partitioner_fn``; keeps the report of every
+    graph it partitions (``reports``), in order."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.reports: list[Report] = []
 
-    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        return partition(gm, joint_inputs, config=self.config, **kwargs)
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], *,
+                 num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
+                 compiler: str = "inductor") -> tuple[fx.GraphModule, fx.GraphModule]:
+        fw, bw, report = run(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                             static_lifetime_input_indices=static_lifetime_input_indices,
+                             config=self.config, compiler=compiler,
+                             input_sources=_graph_inputs.get().sources,
+                             fsdp=_graph_inputs.get().fsdp)
+        if report is not None:
+            self.reports.append(report)
+            remember(report)
+        return fw, bw
 
     def uuid(self) -> str:
         from .fp8.providers import environment_key
@@ -57,22 +86,23 @@ class Backend:
         args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"graphpass.backend({args})"
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        placeholders = gm.graph.find_nodes(op="placeholder")
-        sources = [_compat.placeholder_source(n) for n in placeholders]
-        with input_sources(sources, fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders)):
-            if self.config.codegen == "inductor":
-                from torch._inductor.compile_fx import compile_fx
+    def report(self) -> Report | None:
+        """What every graph this backend partitioned saves, merged: a model with graph breaks
+        compiles to several graphs (and a break repeated per layer, to one graph per layer), all
+        of which run. ``None`` before the first backward graph."""
+        reports = self.partitioner.reports
+        return Report.merge(reports) if reports else None
 
-                return compile_fx(gm, example_inputs,
-                                  config_patches=self._inductor_patches(example_inputs))
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        with input_sources(gm):
+            if self.config.codegen == "inductor":
+                return _compat.compile_fx(gm, example_inputs,
+                                          config_patches=self._inductor_patches(example_inputs))
             return eager_compile(gm, example_inputs, self.partitioner, runs=True)
 
     def _inductor_patches(self, example_inputs: Sequence[Any]) -> dict[str, Any]:
         """Inductor settings for one compile: our partitioner, and the quantize inlining where
         Inductor keeps its bits exact on every device of the graph (the pipeline notes when not)."""
-        from torch._inductor import config as inductor_config
-
         from .fp8.inductor import INLINED_RECIPES, post_grad_pass
 
         patches: dict[str, Any] = {"custom_partitioner_fn": self.partitioner}
@@ -80,7 +110,7 @@ class Backend:
             device_types=[x.device.type for x in example_inputs if isinstance(x, torch.Tensor)])
         if self.config.fuse_quantize and self.config.fp8 in INLINED_RECIPES and exact:
             patches["post_grad_custom_pre_pass"] = post_grad_pass(
-                _source_hash(), inductor_config.post_grad_custom_pre_pass)
+                _source_hash(), _compat.inductor_config().post_grad_custom_pre_pass)
             patches["emulate_precision_casts"] = True
             # Triton lowers fp32 x / y to the approximate div.full: the recipe's scale (fmax /
             # amax) and its reciprocal would be off by an ulp, and with them the FP8 bits.
@@ -102,21 +132,31 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner
     ignores its seed, so a mask recomputed in the backward would differ from the forward's.
     """
     from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor import config as inductor_config
-    from torch._inductor.decomposition import select_decomp_table
 
     def run_as_is(graph: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
         return make_boxed_func(graph.forward)
 
-    with inductor_config.patch(custom_partitioner_fn=partitioner, joint_graph_constant_folding=False,
-                               fallback_random=runs):
-        return aot_autograd(
+    with _compat.inductor_config().patch(custom_partitioner_fn=partitioner,
+                                         joint_graph_constant_folding=False, fallback_random=runs):
+        return _compat.aot_autograd(
             fw_compiler=run_as_is,
             bw_compiler=run_as_is,
             partition_fn=_compat.inductor_partition_fn(),
-            decompositions=select_decomp_table,
+            decompositions=_compat.inductor_decompositions(),
         )(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def input_sources(gm: fx.GraphModule) -> Iterator[None]:
+    """Around the compile of dynamo's graph ``gm``: what its inputs are, for the partitioner."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    token = _graph_inputs.set(GraphInputs(
+        sources=tuple(_compat.placeholder_source(n) for n in placeholders),
+        fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders)))
+    try:
+        yield
+    finally:
+        _graph_inputs.reset(token)
 
 
 def backend(**options: Any) -> Backend:
@@ -141,9 +181,5 @@ def register() -> None:
     """
     from importlib.metadata import entry_points
 
-    from torch._dynamo.backends import registry
-
-    if entry_points(group="torch_dynamo_backends", name="graphpass"):
-        return
-    if "graphpass" not in registry._COMPILER_FNS:
-        registry.register_backend(compiler_fn=default_backend, name="graphpass")
+    if not entry_points(group="torch_dynamo_backends", name="graphpass"):
+        _compat.register_backend("graphpass", default_backend)

@@ -19,8 +19,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from .cli_flags import ConfigFlag, add_config_flags, config_flags, parse_policy, show
 from .config import Config
-from .report import Report, format_bytes
-from .testing import Snapshot, diff
+from .report import Report, Snapshot, diff, format_bytes
 
 EXAMPLES = ("llama", "gpt", "deepseek")
 PLOT_INSTALL = "pip install 'graphpass[plot]'"
@@ -155,7 +154,7 @@ def _print_results(args: argparse.Namespace, results: list[tuple[str, str, Repor
                           for m, label, r in results))
         _print_against_high_precision(results, args.size, args.layers, args.tp)
     if args.plot:
-        from .plot import plot_saved_bytes
+        from .report.plot import plot_saved_bytes
 
         panels: dict[str, list[tuple[str, Report]]] = {}
         for m, label, r in results:

@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-CODEGENS = ("inductor", "eager")
-FP8_RECIPES = (None, "tensorwise", "blockwise", "mxfp8")
-KERNELS = ("auto", "te", "scaled_mm", "reference")
-SAVE_ORIGINAL = ("auto", "always", "never")
-MEMORY = (None, "auto", "default")
-RECOMPUTE_METHODS = ("uniform", "block")
+# The fields that take one of a fixed set of values are typed with these; their valid values (and
+# the CLI's flags) are read from the types: CHOICES below.
+Codegen = Literal["inductor", "eager"]
+FP8Recipe = Literal[None, "tensorwise", "blockwise", "mxfp8"]
+Kernels = Literal["auto", "te", "scaled_mm", "reference"]
+SaveOriginal = Literal["auto", "always", "never"]
+Memory = Literal[None, "auto", "default"]
+RecomputeMethod = Literal["uniform", "block"]
 # Megatron-Core's recompute_modules vocabulary, plus "act" for dense MLP activations and "full".
-RECOMPUTE_MODULES = ("layernorm", "act", "moe_act", "core_attn", "mlp", "moe", "shared_experts",
-                     "mla_up_proj", "full")
-
-# Valid values of the fields that take one of a fixed set; the CLI builds its flags from this.
-CHOICES: dict[str, tuple[Any, ...]] = {
-    "codegen": CODEGENS, "fp8": FP8_RECIPES, "kernels": KERNELS, "save_original": SAVE_ORIGINAL,
-    "memory": MEMORY, "recompute_method": RECOMPUTE_METHODS,
-}
-# Tuple fields whose items come from a fixed set.
-ITEM_CHOICES: dict[str, tuple[str, ...]] = {"recompute": RECOMPUTE_MODULES}
-
+RecomputeModule = Literal["layernorm", "act", "moe_act", "core_attn", "mlp", "moe", "shared_experts",
+                          "mla_up_proj", "full"]
+RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 
 @dataclass(frozen=True)
 class Config:
@@ -33,16 +27,16 @@ class Config:
     valid values. ``Config.from_options(**kw)`` also rejects unknown option names.
     """
 
-    codegen: str = "inductor"
+    codegen: Codegen = "inductor"
     """Code generation after partitioning: ``"inductor"`` (default) or ``"eager"``."""
 
     report: bool = True
     """Build a saved-tensor report after each partition (``graphpass.last_report()``)."""
 
-    fp8: str | None = None
+    fp8: FP8Recipe = None
     """FP8 recipe for linear layers: ``None`` (off), ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``."""
 
-    kernels: str = "auto"
+    kernels: Kernels = "auto"
     """FP8 kernel provider: ``"auto"``, ``"te"``, ``"scaled_mm"`` or ``"reference"``."""
 
     fp8_exclude: tuple[str, ...] = ("output", "lm_head", "*.gate", "*.router")
@@ -58,7 +52,7 @@ class Config:
     fp8_min_gemm_flops: int = 0
     """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
 
-    save_original: str = "auto"
+    save_original: SaveOriginal = "auto"
     """For the quantized copy of a linear's input that wgrad needs (the columnwise X):
     ``"never"`` saves the FP8 copy, quantized in the forward as TE does by default;
     ``"always"`` saves the original and re-quantizes in the backward (TE's
@@ -70,11 +64,11 @@ class Config:
     """Module-path patterns of linears that always save their original input, whatever
     ``save_original`` says for the others (Megatron's per-module ``save_original_input``)."""
 
-    recompute: tuple[str, ...] = ()
+    recompute: tuple[RecomputeModule, ...] = ()
     """Output-discarding recompute, in Megatron's words: ``layernorm``, ``act``, ``moe_act``,
     ``core_attn``, ``mlp``, ``moe``, ``shared_experts``, ``mla_up_proj``, or ``full`` layers."""
 
-    recompute_method: str = "uniform"
+    recompute_method: RecomputeMethod = "uniform"
     """For ``recompute=("full",)``: ``"uniform"`` checkpoints every chunk of
     ``recompute_num_layers`` layers; ``"block"`` the first ``recompute_num_layers`` layers."""
 
@@ -84,7 +78,7 @@ class Config:
     recompute_include: tuple[str, ...] = ("*",)
     """Module-path patterns narrowing where ``recompute`` applies (e.g. ``("layers.[0-3].*",)``)."""
 
-    memory: str | None = None
+    memory: Memory = None
     """``"auto"``: the planner minimises saved bytes, recomputing any non-GEMM, non-attention op
     within ``recompute_budget``; ``"default"``: torch's min-cut heuristics. ``None`` means
     ``"auto"`` when FP8 is on and ``"default"`` otherwise."""
@@ -178,6 +172,15 @@ class Config:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+_HINTS = get_type_hints(Config)
+# Valid values of the fields that take one of a fixed set; the CLI builds its flags from this.
+CHOICES: dict[str, tuple[Any, ...]] = {
+    f.name: get_args(_HINTS[f.name]) for f in dataclasses.fields(Config)
+    if get_origin(_HINTS[f.name]) is Literal}
+# Tuple fields whose items come from a fixed set.
+ITEM_CHOICES: dict[str, tuple[str, ...]] = {"recompute": RECOMPUTE_MODULES}
 
 
 def given(config: Any) -> Config:

@@ -7,11 +7,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .backend import Partitioner, eager_compile
+from .backend import Partitioner, eager_compile, input_sources
 from .config import Config, given
-from .pipeline import collect_reports, input_sources
 from .report import Report
 from . import _compat
 
@@ -30,19 +28,20 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
         raise ValueError(f"graphpass.plan takes an nn.Module, not {type(module).__name__}; wrap a "
                          "function in a module, or trace it with graphpass.partition "
                          "(docs/traced-graphs.md)")
-    mode = FakeTensorMode()
+    mode = _compat.fake_tensor_mode()
     with mode:
         fake_module = _to_fake(module)
         fake_inputs = [_fake_like(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     partitioner = Partitioner(config)
 
     def planning_backend(gm: torch.fx.GraphModule, inputs: Any):
-        with input_sources([_compat.placeholder_source(n) for n in gm.graph.find_nodes(op="placeholder")]):
+        with input_sources(gm):
             return eager_compile(gm, inputs, partitioner, runs=False)
 
     compiled = torch.compile(fake_module, backend=planning_backend, dynamic=False)
-    with collect_reports() as reports, mode, _compat.unlimited_recompiles():
+    with mode, _compat.unlimited_recompiles():
         compiled(*fake_inputs)
+    reports = partitioner.reports
     if not reports:
         return Report(rows=[], graphs=0, notes=[
             "nothing was partitioned: no input or parameter requires grad, so torch compiled an "

@@ -25,7 +25,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import graphpass  # noqa: E402
 from examples import _common, llama  # noqa: E402
-from graphpass.pipeline import collect_reports  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -79,16 +78,17 @@ def _fsdp_whole_model(rank: int) -> dict:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    compiled = torch.compile(model, backend=graphpass.backend(**BACKENDS["fp8"]))
+    backend = graphpass.backend(**BACKENDS["fp8"])
+    compiled = torch.compile(model, backend=backend)
     local = [t.chunk(WORLD)[rank] for t in x]
     losses, gemms = [], []
-    with collect_reports() as reports:
-        for _ in range(2):
-            with torch.profiler.profile() as prof:
-                loss = _loss(compiled, local)
-                loss.backward()
-            losses.append(loss.detach())
-            gemms.append(sum(e.name == "graphpass::fp8_gemm" for e in prof.events()))
+    for _ in range(2):
+        with torch.profiler.profile() as prof:
+            loss = _loss(compiled, local)
+            loss.backward()
+        losses.append(loss.detach())
+        gemms.append(sum(e.name == "graphpass::fp8_gemm" for e in prof.events()))
+    reports = list(backend.partitioner.reports)  # the graphs compiled so far
     return dict(losses=losses, fp8_gemms=gemms, reports=_report_summary(reports))
 
 
@@ -109,14 +109,14 @@ def _fsdp(mode: str, rank: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     local = [t.chunk(WORLD)[rank] for t in x]
     losses, grads = [], []
-    with collect_reports() as reports:
-        for _ in range(STEPS):
-            opt.zero_grad()
-            loss = _loss(model, local)
-            loss.backward()
-            losses.append(loss.detach())
-            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
-            opt.step()
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = _loss(model, local)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        opt.step()
+    reports = list(backend.partitioner.reports)  # the graphs compiled so far
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     return dict(losses=losses, grads=grads, params=params, reports=_report_summary(reports))
 
@@ -138,21 +138,21 @@ def _fsdp_ref(mode: str) -> dict:
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     losses, grads = [], []
-    with collect_reports() as reports:
-        for _ in range(STEPS):
-            per_rank, step_losses = [], []
-            for local in zip(*(t.chunk(WORLD) for t in x)):
-                opt.zero_grad()
-                loss = _loss(model, local)
-                loss.backward()
-                step_losses.append(loss.detach())
-                per_rank.append({n: p.grad.clone() for n, p in model.named_parameters()})
-            losses.append(step_losses)
-            avg = {n: (per_rank[0][n] + per_rank[1][n]) / WORLD for n in per_rank[0]}
-            for n, p in model.named_parameters():
-                p.grad = avg[n].clone()
-            grads.append(avg)
-            opt.step()
+    for _ in range(STEPS):
+        per_rank, step_losses = [], []
+        for local in zip(*(t.chunk(WORLD) for t in x)):
+            opt.zero_grad()
+            loss = _loss(model, local)
+            loss.backward()
+            step_losses.append(loss.detach())
+            per_rank.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        losses.append(step_losses)
+        avg = {n: (per_rank[0][n] + per_rank[1][n]) / WORLD for n in per_rank[0]}
+        for n, p in model.named_parameters():
+            p.grad = avg[n].clone()
+        grads.append(avg)
+        opt.step()
+    reports = list(backend.partitioner.reports)  # the graphs compiled so far
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def whole_batch(dtype, compiled: bool):
@@ -216,9 +216,10 @@ def tp(rank: int, out: str) -> None:
     for plan, options in PLANS.items():
         torch._dynamo.reset()
         block, (x, cos, sin) = llama.build_tp("tiny", tp=WORLD, dtype=dtype)
-        compiled = torch.compile(block, backend=graphpass.backend(**BACKENDS["fp8"], **options))
-        with collect_reports() as reports:
-            y = _tp_step(compiled, x, cos, sin, probe)
+        backend = graphpass.backend(**BACKENDS["fp8"], **options)
+        compiled = torch.compile(block, backend=backend)
+        y = _tp_step(compiled, x, cos, sin, probe)
+        reports = list(backend.partitioner.reports)  # the graphs compiled so far
         results[plan] = dict(out=y, x_grad=x.grad.clone(), grads=_grads(block),
                              reports=_report_summary(reports))
     torch.save(results, os.path.join(out, f"tp-{rank}.pt"))

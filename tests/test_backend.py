@@ -103,12 +103,18 @@ def test_graph_breaks(codegen):
     model = Broken()
     x = torch.randn(4, 32)
     ref = _grads(model, x, model)
-    got = _grads(model, x, torch.compile(model, backend=graphpass.backend(codegen=codegen)))
+    backend = graphpass.backend(codegen=codegen)
+    got = _grads(model, x, torch.compile(model, backend=backend))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    # the backend keeps one report per graph it partitioned and merges them; last_report() is
+    # the latest graph's
+    assert len(backend.partitioner.reports) == 2 and backend.report().graphs == 2
+    assert graphpass.last_report() is backend.partitioner.reports[-1]
     # plan() merges one report per graph
     report = graphpass.plan(model, x.requires_grad_())
     assert report.graphs == 2
     assert {r.module.split(".")[0] for r in report.rows if r.kind == "activation"} >= {"a", "b"}
+    assert backend.report().activation_bytes == report.activation_bytes
 
 
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
@@ -129,8 +135,8 @@ _CACHE_SCRIPT = textwrap.dedent(
     import importlib, sys, torch, graphpass
     b = importlib.import_module("graphpass.backend")  # the module, not the function of that name
     calls = []
-    real = b.partition
-    b.partition = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = b.run
+    b.run = lambda *a, **k: calls.append(1) or real(*a, **k)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
     cfg = dict(report=sys.argv[1] == "report")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from graphpass import Report, Row
+from graphpass import Decision, Report, Row, What
 from graphpass.cli import main
 from graphpass.cli_flags import config_flags
 from graphpass.config import CHOICES, Config
-from graphpass.plot import category
+from graphpass.report.plot import category
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -109,14 +109,17 @@ def test_plot_compares_policies(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_plot_categories_come_from_kind_dtype_and_decision() -> None:
-    def row(dtype: str, kind: str = "activation", decision: str = "saved", offloaded: bool = False) -> Row:
-        return Row("n", "aten.mm", "layers.0.mlp", (2,), dtype, 4, 4, kind, decision=decision,
-                   offloaded=offloaded)
+    def row(dtype: str, kind: str = "activation", decision: Decision | None = None,
+            offloaded: bool = False) -> Row:
+        return Row("n", "aten.mm", "layers.0.mlp", (2,), dtype, 4, 4, kind,
+                   decisions=(decision,) if decision else (), offloaded=offloaded)
 
     assert [category(r) for r in (
         row("bfloat16"), row("float32"), row("int64"), row("float8_e4m3fn", "fp8_data"),
-        row("float32", "fp8_scale"), row("bfloat16", offloaded=True), row("bfloat16", decision="offload: yes"),
-        row("bfloat16", decision="offload: no (parameter)"), row("bfloat16", decision="recomputed: layernorm"),
+        row("float32", "fp8_scale"), row("bfloat16", offloaded=True),
+        row("bfloat16", decision=Decision(What.OFFLOAD, "offload")),
+        row("bfloat16", decision=Decision(What.NOT_OFFLOADED, "offload", "parameter")),
+        row("bfloat16", decision=Decision(What.RECOMPUTED, "recompute layernorm", "layernorm")),
     )] == ["activation bfloat16", "activation float32", "activation other dtypes", "FP8 data and scales",
            "FP8 data and scales", "offloaded", "offloaded", "activation bfloat16", "recomputed"]
 

@@ -19,7 +19,6 @@ from functorch.compile import aot_function, aot_module, make_boxed_func
 from torch._inductor.decomposition import select_decomp_table
 
 import graphpass
-from graphpass.pipeline import collect_reports
 
 CONFIG = graphpass.Config(fp8="tensorwise")
 
@@ -44,25 +43,28 @@ def _aot_function(model, x, decompositions):
 
     g = aot_function(f, fw_compiler=_run_as_is, bw_compiler=_run_as_is,
                      partition_fn=_partition_marking(len(params)), decompositions=decompositions)
-    with collect_reports() as reports:
-        g(params, x).sum().backward()
-    return graphpass.Report.merge(reports)
+    return _reported(lambda: g(params, x).sum().backward())
 
 
 def _aot_module(model, x, decompositions):
     m = aot_module(model, fw_compiler=_run_as_is, bw_compiler=_run_as_is,
                    partition_fn=_partition_marking(len(list(model.parameters()))),
                    decompositions=decompositions)
-    with collect_reports() as reports:
-        m(x).sum().backward()
-    return graphpass.Report.merge(reports)
+    return _reported(lambda: m(x).sum().backward())
 
 
 def _backend(model, x):
-    compiled = torch.compile(model, backend=graphpass.backend(fp8="tensorwise", codegen="eager"))
-    with collect_reports() as reports:
-        compiled(x).sum().backward()
-    return graphpass.Report.merge(reports)
+    backend = graphpass.backend(fp8="tensorwise", codegen="eager")
+    torch.compile(model, backend=backend)(x).sum().backward()
+    return backend.report()
+
+
+def _reported(step):
+    """The report of the one graph ``step`` partitions through ``graphpass.partition``."""
+    before = graphpass.last_report()
+    step()
+    assert graphpass.last_report() is not before
+    return graphpass.last_report()
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt", "deepseek"])

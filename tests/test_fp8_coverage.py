@@ -11,7 +11,8 @@ import torch.nn as nn
 import importlib
 
 import graphpass
-from graphpass.graph.gemms import GEMM_OPS, coverage_lines
+from graphpass.graph.ops import GEMM_OPS
+from graphpass.report.coverage import coverage_lines
 from graphpass.graph.nodes import module_path, op_name
 from graphpass.report import Report
 from examples import deepseek, gpt, llama
@@ -24,14 +25,14 @@ def _compiled_graphs(monkeypatch):
     """Capture the forward and backward modules every partition returns."""
     graphs = []
     backend_module = importlib.import_module("graphpass.backend")  # graphpass.backend is the function
-    real = backend_module.partition
+    real = backend_module.run
 
     def capturing(*args, **kwargs):
-        fw, bw = real(*args, **kwargs)
-        graphs.extend((fw, bw))
-        return fw, bw
+        partition = real(*args, **kwargs)
+        graphs.extend((partition.forward, partition.backward))
+        return partition
 
-    monkeypatch.setattr(backend_module, "partition", capturing)
+    monkeypatch.setattr(backend_module, "run", capturing)
     return graphs
 
 

@@ -7,8 +7,6 @@ import pytest
 import torch
 
 import graphpass
-from graphpass.pipeline import collect_reports
-from graphpass.report import Report
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,22 +47,21 @@ MODELS = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral,
 def _compile_step(model, ids, monkeypatch, **options):
     """One compiled FP8 training step: (loss, gradients, merged report, compiled graphs)."""
     backend_module = importlib.import_module("graphpass.backend")
-    graphs, real = [], backend_module.partition
+    graphs, real = [], backend_module.run
 
     def capturing(*args, **kwargs):
-        graphs.extend(real(*args, **kwargs))
-        return graphs[-2:]
+        partition = real(*args, **kwargs)
+        graphs.extend((partition.forward, partition.backward))
+        return partition
 
-    monkeypatch.setattr(backend_module, "partition", capturing)
-    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss,
-                             backend=graphpass.backend(codegen="eager", kernels="reference",
-                                                       **options))
+    monkeypatch.setattr(backend_module, "run", capturing)
+    backend = graphpass.backend(codegen="eager", kernels="reference", **options)
+    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=backend)
     model.zero_grad()
-    with collect_reports() as reports:
-        loss = compiled(ids)
-        loss.backward()
+    loss = compiled(ids)
+    loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, Report.merge(reports), graphs
+    return loss.detach(), grads, backend.report(), graphs
 
 
 def _eager_step(model, ids):

@@ -155,24 +155,24 @@ def test_offload_moves_only_eligible_tensors():
 
 
 def test_offload_opt_out_and_graph_contents():
-    from graphpass.pipeline import partition
+    from graphpass.pipeline import run
 
     captured = {}
 
     def spy(*args, **kwargs):
-        fw, bw = partition(*args, **kwargs)
-        captured["fw"], captured["bw"] = fw, bw
-        return fw, bw
+        partition = run(*args, **kwargs)
+        captured["fw"], captured["bw"] = partition.forward, partition.backward
+        return partition
 
     import importlib
     backend_module = importlib.import_module("graphpass.backend")
-    original = backend_module.partition
-    backend_module.partition = spy
+    original = backend_module.run
+    backend_module.run = spy
     try:
         _compiled_grads(llama, dict(offload=True, offload_min_bytes=65536, memory="default",
                                     offload_exclude=("layers.0.mlp.*",)), seq=64)
     finally:
-        backend_module.partition = original
+        backend_module.run = original
     fw_names = [n.name for n in captured["fw"].graph.nodes]
     bw_names = [n.name for n in captured["bw"].graph.nodes]
     offloads = [n for n in fw_names if n.startswith("cpu_offload_")]
@@ -282,7 +282,7 @@ def test_act_is_the_whole_chain_between_the_gemms_wherever_it_is_called():
     cfg = dict(fp8="tensorwise", memory="auto")
     joints = []
     original = pipeline.PASSES
-    pipeline.PASSES = (*original[:1], lambda joint, config, log: joints.append(Regions(joint)))
+    pipeline.PASSES = (*original[:1], lambda joint, plan, config: joints.append(Regions(joint)))
     try:
         graphpass.plan(model, x, config=graphpass.Config(**cfg, recompute=("act",)))
     finally:
@@ -338,6 +338,20 @@ def test_recomputed_attention_counts_its_flops():
     assert report.meta["recompute_flops"] >= 4 * b * h * s * s * d
     assert "recomputed: core_attn in backward: layers.0.self_attn" in report.notes
     assert not [r for r in report.rows if r.kind == "rng_state"]
+
+
+def test_the_rng_state_of_a_recomputed_dropout_is_a_recomputed_row():
+    """torch saves an RNG state for each random op a recompute selection recomputes (here a
+    dropout under ``full``): that row is saved for the recompute and says so, typed, so
+    assertions and plots read it without parsing text."""
+    from graphpass.testing import is_offloaded, is_recomputed
+
+    _, report = _dropout_plans(256)
+    rng = [r for r in report.rows if r.kind == "rng_state"]
+    assert len(rng) == 1 and is_recomputed(rng[0]) and not is_offloaded(rng[0])
+    assert rng[0].decision == "recomputed: full (replayed under this RNG state)"
+    assert [(d.what, d.by) for d in rng[0].decisions] == [(graphpass.What.RECOMPUTED, "recompute full")]
+    assert [r for r in report.rows if is_recomputed(r)] == rng
 
 
 def test_a_flop_formula_that_fails_is_a_note(monkeypatch):

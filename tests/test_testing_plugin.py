@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import graphpass
 from examples import MODELS, llama
-from graphpass import Config, Report, Row
+from graphpass import Config, Decision, Report, Row, What
 from graphpass.testing import (
     Snapshot,
     assert_activation_bytes_at_most,
@@ -271,7 +271,8 @@ def test_recomputed() -> None:
         _row("layers.0.input_layernorm", "aten.rsqrt", (2, 32, 1), "float32"),
         _row("layers.0.input_layernorm.weight", "input", (256,), "float32", kind="parameter"),
         _row("layers.0.mlp.gate_proj", "aten.mm", (64, 512), "float32"),
-        _row("norm", "aten.rsqrt", (2, 32, 1), "float32", decision="recomputed: layernorm"),
+        _row("norm", "aten.rsqrt", (2, 32, 1), "float32",
+             decisions=(Decision(What.RECOMPUTED, "recompute layernorm", "layernorm"),)),
     ])
     with pytest.raises(AssertionError, match=r"1 saved row\(s\) come from modules that should be recomputed "
                                              r"\(\*norm\*\):\n  layers\.0\.input_layernorm: aten\.rsqrt float32 2x32x1"):
@@ -288,9 +289,12 @@ def test_recomputed() -> None:
 
 def test_no_parameter_offloaded(tiny: dict[str, Report]) -> None:
     assert_no_parameter_offloaded(tiny["gpt"])
-    rows = [_row("layers.0.mlp.fc1.weight", "input", (1024, 256), "float32", kind="parameter", decision=d)
-            for d in ("offload: no (parameter)", "offload: eligible", "saved; offload: yes")]
-    rows.append(_row("layers.0.mlp", "aten.mm", (64, 1024), "float32", decision="offload: yes"))
+    yes = Decision(What.OFFLOAD, "offload")
+    rows = [_row("layers.0.mlp.fc1.weight", "input", (1024, 256), "float32", kind="parameter", decisions=d)
+            for d in ((Decision(What.NOT_OFFLOADED, "offload", "parameter"),),
+                      (Decision(What.OFFLOAD_ELIGIBLE, "offload"),),
+                      (Decision(What.SAVED, "recompute", "saved"), yes))]
+    rows.append(_row("layers.0.mlp", "aten.mm", (64, 1024), "float32", decisions=(yes,)))
     offloaded = (r"1 parameter\(s\) offloaded:\n  layers\.0\.mlp\.fc1\.weight: "
                  r"input float32 1024x256 parameter 1,048,576 B \(saved; offload: yes\)$")
     with pytest.raises(AssertionError, match=offloaded):
@@ -301,10 +305,11 @@ def test_no_parameter_offloaded(tiny: dict[str, Report]) -> None:
 
 
 def test_fp8_lowered() -> None:
-    notes = ["lowered: layers.0.mlp.up_proj (reference/tensorwise)",
-             "not lowered: output: excluded by pattern 'output'"]
-    assert_fp8_lowered(Report(notes=notes))
-    odd = Report(notes=[*notes, "not lowered: layers.0.mlp.down_proj: GEMM below fp8_min_gemm_flops"])
+    decisions = [Decision(What.LOWERED, "fp8", "reference/tensorwise", "layers.0.mlp.up_proj"),
+                 Decision(What.NOT_LOWERED, "fp8", "excluded by pattern 'output'", "output")]
+    assert_fp8_lowered(_decided(decisions))
+    odd = _decided([*decisions, Decision(What.NOT_LOWERED, "fp8", "GEMM below fp8_min_gemm_flops",
+                                         "layers.0.mlp.down_proj")])
     with pytest.raises(AssertionError, match=r"\n  layers\.0\.mlp\.down_proj: GEMM below fp8_min_gemm_flops$"):
         assert_fp8_lowered(odd)
     assert_fp8_lowered(odd, allowed=("excluded by pattern *", "GEMM below *"))
@@ -312,20 +317,24 @@ def test_fp8_lowered() -> None:
     mlp = nn.ModuleDict({"up_proj": nn.Linear(2, 2), "gate_proj": nn.Linear(2, 2)})
     model = nn.ModuleDict({"output": nn.Linear(2, 2), "layers": nn.ModuleList([nn.ModuleDict({"mlp": mlp})])})
     with pytest.raises(AssertionError, match=r"layers\.0\.mlp\.gate_proj: no FP8 note"):
-        assert_fp8_lowered(Report(notes=notes), model=model)
+        assert_fp8_lowered(_decided(decisions), model=model)
     with pytest.raises(AssertionError, match="no FP8 lowering notes"):
         assert_fp8_lowered(Report())
 
 
+def _decided(decisions: list[Decision]) -> Report:
+    return Report(notes=[str(d) for d in decisions], decisions=decisions)
+
+
 def _row(module: str, op: str, shape: tuple[int, ...], dtype: str, *, kind: str = "activation",
-         nbytes: int | None = None, decision: str = "saved", name: str = "", alias_of: str = "",
+         nbytes: int | None = None, decisions: tuple[Decision, ...] = (), name: str = "", alias_of: str = "",
          copy_of: str = "", offloaded: bool = False) -> Row:
     size = {"float8_e4m3fn": 1, "bfloat16": 2, "float32": 4}[dtype]
     for n in shape:
         size *= n
     return Row(name=name or f"{module}.{op}.{dtype}", op=op, module=module, shape=shape, dtype=dtype,
                bytes=size if nbytes is None else nbytes, tensor_bytes=size, kind=kind,
-               decision=decision, alias_of=alias_of, copy_of=copy_of, offloaded=offloaded)
+               decisions=decisions, alias_of=alias_of, copy_of=copy_of, offloaded=offloaded)
 
 
 def _largest(report: Report) -> Row:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import _compat
+from ..decisions import Decision, What
 from . import ops
 
 INLINED_RECIPES = ("tensorwise",)
@@ -40,32 +42,31 @@ def inlinable(recipe: str, role: str, device: torch.device) -> bool:
     return recipe in INLINED_RECIPES and (device.type == "cpu" or role != "grad")
 
 
-def fusion_notes(*, device_types: set[str]) -> list[str]:
-    """Report notes for the quantizes ``fuse_quantize`` leaves as one op on these devices."""
-    from .. import _compat
-
+def fusion_notes(*, device_types: set[str]) -> list[Decision]:
+    """The report's decisions for the quantizes ``fuse_quantize`` leaves as one op on these
+    devices."""
     if not _compat.inductor_rounds_fused_casts(device_types=device_types):
-        return [f"fuse_quantize: off: torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does "
-                "not round fused bf16 values as eager does, so fused quantizes would not give "
-                "the recipe's FP8 bits; each quantize runs as one op (torch >= 2.13 fuses them)"]
+        return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
+            f"torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does not round fused bf16 "
+            "values as eager does, so fused quantizes would not give the recipe's FP8 bits; each "
+            "quantize runs as one op (torch >= 2.13 fuses them)"))]
     if "cuda" in device_types:
-        return ["fuse_quantize: gradient quantizes run as one op on CUDA: fused with their "
-                "producers in the backward they gave other FP8 bits than the op (H100, torch "
-                "2.11); forward quantizes are fused"]
+        return [Decision(What.FUSE_QUANTIZE_PARTLY, "fuse_quantize", (
+            "gradient quantizes run as one op on CUDA: fused with their producers in the "
+            "backward they gave other FP8 bits than the op (H100, torch 2.11); forward quantizes "
+            "are fused"))]
     return []
 
 
 @functools.lru_cache(maxsize=1)
 def _patterns() -> Any:
     """The pattern pass, built on first use (importing Inductor's pattern matcher is slow)."""
-    from torch._inductor.pattern_matcher import (CallFunction, KeywordArg, PatternMatcherPass,
-                                                 register_graph_pattern)
+    pm = _compat.inductor_pattern_matcher()
+    patterns = pm.PatternMatcherPass(pass_name="graphpass_inline_quantize")
 
-    patterns = PatternMatcherPass(pass_name="graphpass_inline_quantize")
-
-    @register_graph_pattern(
-        CallFunction(torch.ops.graphpass.quantize.default, KeywordArg("x"), KeywordArg("recipe"),
-                     KeywordArg("role"), KeywordArg("usage")),
+    @pm.register_graph_pattern(
+        pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
+                        pm.KeywordArg("role"), pm.KeywordArg("usage")),
         extra_check=lambda match: inlinable(match.kwargs["recipe"], match.kwargs["role"],
                                             match.kwargs["x"].meta["val"].device),
         pass_dict=patterns,
@@ -84,12 +85,10 @@ def inline_quantizes(graph: fx.Graph) -> int:
 def post_grad_pass(source_hash: str, user_pass: Any) -> Any:
     """An Inductor ``post_grad_custom_pre_pass`` that inlines quantizes after ``user_pass`` (the
     one already configured, if any: a pass or a list of them, kept and run first)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
     user_passes = [] if user_pass is None else (
         list(user_pass) if isinstance(user_pass, (list, tuple)) else [user_pass])
 
-    class InlineQuantize(CustomGraphPass):  # type: ignore[misc]
+    class InlineQuantize(_compat.custom_graph_pass_base()):  # type: ignore[misc]
         def __call__(self, graph: fx.Graph) -> None:
             for p in user_passes:
                 p(graph)

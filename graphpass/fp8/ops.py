@@ -114,3 +114,8 @@ def _(a, a_scale_inv, b, b_scale_inv, recipe, roles, out_dtype, bias, kernel):
 def _gemm_flops(a_shape, a_scale_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     *groups, m, k = a_shape
     return 2 * (groups[0] if groups else 1) * m * b_shape[-2] * k
+
+
+# The graph ops, for passes that insert or match them (importing this module registers them).
+QUANTIZE = torch.ops.graphpass.quantize.default
+FP8_GEMM = torch.ops.graphpass.fp8_gemm.default

@@ -19,6 +19,7 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
+from .. import _compat
 from . import recipes
 
 NAMES = ("te", "scaled_mm", "reference")
@@ -67,7 +68,7 @@ class ScaledMM:
         # (N, K) tensor is. Bias must be bf16/fp16 and is refused with an fp32 output, so add it
         # afterwards in those cases.
         fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
-        out = torch._scaled_mm(
+        out = _compat.scaled_mm(
             a, b.t(), scale_a=a_scale_inv.reshape(()).float(), scale_b=b_scale_inv.reshape(()).float(),
             bias=bias if fused_bias else None, out_dtype=out_dtype,
         )

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from .. import _compat
 from .._compat import flop_formula, size_hint
 
 
@@ -34,11 +35,11 @@ def node_flops(node: fx.Node, estimated: dict[str, str] | None = None) -> int:
     if node.op != "call_function":
         return 0
     target, args = node.target, node.args
-    if isinstance(target, torch._ops.HigherOrderOperator) and "rng_state" in target.name():
+    if _compat.is_higher_order(target) and "rng_state" in target.name():
         # run_with_rng_state(rng_state, op, *args): the op recomputed under a saved RNG state
         target, args = next(((a, args[i + 1:]) for i, a in enumerate(args)
-                             if isinstance(a, torch._ops.OpOverload)), (None, ()))
-    if not isinstance(target, torch._ops.OpOverload):
+                             if _compat.is_op_overload(a)), (None, ()))
+    if not _compat.is_op_overload(target):
         return 0
     packet = target.overloadpacket
     formula = flop_formula(_ALIASES.get(packet, packet))

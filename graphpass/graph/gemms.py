@@ -4,8 +4,8 @@ no high-precision GEMM goes unmentioned when ``fp8`` is on.
 
 A GEMM runs in FP8 when it is a ``graphpass::fp8_gemm`` (our lowering) or one of torch's scaled
 GEMMs the model calls itself. Any other GEMM-like op keeps its input precision; its reason is the
-one the FP8 lowering recorded on the node (``REASON``, e.g. an excluded or misaligned linear), or
-else the form of the GEMM, read from its operands.
+one the FP8 lowering recorded on the node (``NodeFacts.not_lowered``, e.g. an excluded or
+misaligned linear), or else the form of the GEMM, read from its operands.
 """
 
 from __future__ import annotations
@@ -16,39 +16,15 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
+from .. import _compat
+from ..decisions import facts
+from ..report.coverage import PHASES, with_share
 from .flops import node_flops
-from .nodes import VIEWS, is_backward, module_path, op_name
-
-# Matrix products: dense, batched, grouped, vector, and their FP8 (scaled) variants.
-GEMM_OPS = frozenset({
-    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten.mv", "aten.addmv",
-    "aten.dot", "aten._grouped_mm", "aten._scaled_mm", "aten._scaled_mm_v2",
-    "aten._scaled_grouped_mm", "aten._scaled_grouped_mm_v2", "graphpass.fp8_gemm",
-})
-# GEMMs behind custom ops of libraries, by op name: (phases of its GEMMs, their operand indices).
-# transformers' grouped_mm fallback (its MoE experts where torch's grouped_mm cannot run, e.g.
-# float32 on CPU) computes input (T, K) x weight (E, K, N) per group; its backward op both
-# gradients, one GEMM each of the same size.
-_LIBRARY_GEMMS = {
-    "transformers.grouped_mm_fallback": ("forward",),
-    "transformers.grouped_mm_fallback_backward": ("dgrad", "wgrad"),
-}
-GEMM_OPS = GEMM_OPS | frozenset(_LIBRARY_GEMMS)
-_FP8_OPS = frozenset({"graphpass.fp8_gemm", "aten._scaled_mm", "aten._scaled_mm_v2",
-                      "aten._scaled_grouped_mm", "aten._scaled_grouped_mm_v2"})
-PHASES = ("forward", "dgrad", "wgrad")
-REASON = "graphpass_fp8_reason"
-"""Node meta key: why the FP8 lowering left this GEMM in high precision (set by lower_fp8)."""
+from .nodes import is_backward, module_path, op_name
+from .ops import FP8_GEMMS, GATHERS, GEMM_OPS, LIBRARY_GEMMS, PASS_THROUGH, SCATTERS
 
 _ROLES_PHASE = {"input,weight": "forward", "grad,weight": "dgrad", "grad,input": "wgrad",
                 "input,grad": "wgrad"}
-_CASTS = ("prims.convert_element_type", "aten._to_copy")
-_PASS_THROUGH = VIEWS | set(_CASTS) | {"aten.clone", "aten.contiguous"}
-# Rows of a weight picked per token or per expert (transformers' batched_mm experts), and the
-# ops their gradients are scattered back with.
-_GATHERS = ("aten.index", "aten.index_select", "aten.embedding", "aten.gather")
-_SCATTERS = ("aten.index_put", "aten._unsafe_index_put", "aten.index_add", "aten.scatter_add",
-             "aten.embedding_dense_backward")
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -99,13 +75,13 @@ def gemms(joint: fx.GraphModule) -> list[Gemm]:
         if not is_gemm(node):
             continue
         name = op_name(node)
-        if name in _LIBRARY_GEMMS:
+        if name in LIBRARY_GEMMS:
             a, b = (t.meta["val"] for t in node.args[:2])
             flops = _grouped_mm_flops(a.shape, b.shape, out_shape=(*a.shape[:-1], b.shape[-1]))
             op = name.removesuffix('_backward').replace('.', '::')  # one reason for both
             reason = f"grouped GEMM ({op}, a custom op) is not lowered to FP8"
             out += [Gemm(node, module_path(node), phase, flops, reason)
-                    for phase in _LIBRARY_GEMMS[name]]
+                    for phase in LIBRARY_GEMMS[name]]
             continue
         if name == "graphpass.fp8_gemm":
             phase = _ROLES_PHASE.get(node.args[5], "forward")
@@ -114,9 +90,9 @@ def gemms(joint: fx.GraphModule) -> list[Gemm]:
         else:
             phase = "wgrad" if node in wgrads else "dgrad"
         reason = None
-        if name not in _FP8_OPS:
-            if REASON in node.meta:
-                reason = node.meta[REASON]
+        if name not in FP8_GEMMS:
+            if facts(node).not_lowered:
+                reason = facts(node).not_lowered
             elif phase == "forward":
                 reason = _form(node)
             else:  # a backward GEMM shares its forward GEMM's sequence number
@@ -142,42 +118,11 @@ def coverage(joint: fx.GraphModule) -> dict:
         else:
             hp = cov["high_precision_flops"]
             hp[g.reason] = hp.get(g.reason, 0) + g.flops
-    return _with_share(cov)
-
-
-def merge_coverage(parts: list[dict]) -> dict:
-    """The coverage of several graphs (a model split by graph breaks) as one step."""
-    cov = {"gemm_flops": dict.fromkeys(PHASES, 0), "fp8_flops": dict.fromkeys(PHASES, 0),
-           "high_precision_flops": {}}
-    for part in parts:
-        for key in ("gemm_flops", "fp8_flops", "high_precision_flops"):
-            for k, v in part[key].items():
-                cov[key][k] = cov[key].get(k, 0) + v
-    return _with_share(cov)
-
-
-def _with_share(cov: dict) -> dict:
-    total = sum(cov["gemm_flops"].values())
-    cov["fp8_share"] = sum(cov["fp8_flops"].values()) / total if total else 1.0
-    return cov
-
-
-def coverage_lines(cov: dict) -> list[str]:
-    """The report's text: one totals line, then one line per high-precision reason."""
-    def share(phase: str) -> str:
-        total = cov["gemm_flops"][phase]
-        return f"{phase} {cov['fp8_flops'][phase] / total:.1%}" if total else f"{phase} -"
-
-    total = sum(cov["gemm_flops"].values())
-    lines = [f"fp8: {cov['fp8_share']:.1%} of {total:,} GEMM FLOPs run as FP8 GEMMs ("
-             + ", ".join(map(share, PHASES)) + ")"]
-    for reason, flops in sorted(cov["high_precision_flops"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"  high precision: {flops / total:.1%} ({flops:,} FLOPs): {reason}")
-    return lines
+    return with_share(cov)
 
 
 def _strip(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and op_name(node) in _PASS_THROUGH:
+    while node.op == "call_function" and op_name(node) in PASS_THROUGH:
         node = node.args[0]
     return node
 
@@ -206,7 +151,7 @@ def _form(node: fx.Node) -> str:
 
 def _gathered_weight(node: fx.Node) -> bool:
     """Whether ``node`` is rows of a 3-D weight placeholder picked by an index."""
-    if node.op != "call_function" or op_name(node) not in _GATHERS:
+    if node.op != "call_function" or op_name(node) not in GATHERS:
         return False
     source = _strip(node.args[0])
     return source.op == "placeholder" and source.meta["val"].dim() == 3
@@ -215,7 +160,7 @@ def _gathered_weight(node: fx.Node) -> bool:
 def _weight_gradient_gemms(joint: fx.GraphModule) -> set[fx.Node]:
     """Backward GEMMs whose result is the gradient of a weight: a primal that is the second
     operand (B) of a forward GEMM. The joint graph returns one gradient per primal, last."""
-    primals = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    primals = _compat.primals(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
     grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
     weights = set()
@@ -236,9 +181,9 @@ def _weight_gradient_gemms(joint: fx.GraphModule) -> set[fx.Node]:
                 continue
             if is_gemm(node):
                 found.add(node)
-            elif op_name(node) in _PASS_THROUGH:
+            elif op_name(node) in PASS_THROUGH:
                 stack.append(node.args[0])
-            elif op_name(node) == "aten.add" or op_name(node) in _SCATTERS:
+            elif op_name(node) == "aten.add" or op_name(node) in SCATTERS:
                 # a weight used twice has its gradients summed; a gathered one, scattered back
                 stack += [a for a in node.args if isinstance(a, fx.Node)]
     return found

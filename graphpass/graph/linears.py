@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from .. import _compat
 from .nodes import is_backward, module_path, op_name
+from .ops import CASTS, TRANSPOSES
 
-_TRANSPOSES = ("aten.permute", "aten.t")
-_CASTS = ("prims.convert_element_type", "aten._to_copy")
 
 
 @dataclass
@@ -47,13 +47,13 @@ class Linear:
 def _untranspose(node: fx.Node) -> tuple[fx.Node, bool]:
     """Strip 2-D transposes: (base, whether an odd number of them was stripped)."""
     flipped = False
-    while node.op == "call_function" and op_name(node) in _TRANSPOSES and _is_2d_transpose(node):
+    while node.op == "call_function" and op_name(node) in TRANSPOSES and _is_2d_transpose(node):
         node, flipped = node.args[0], not flipped
     return node, flipped
 
 
 def _uncast(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and op_name(node) in _CASTS:
+    while node.op == "call_function" and op_name(node) in CASTS:
         node = node.args[0]
     return node
 
@@ -83,7 +83,7 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
 
     # wgrad: the backward GEMM whose result is the weight's gradient output. The joint graph
     # returns (forward outputs..., one gradient per primal), so gradients are the last outputs.
-    primals = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    primals = _compat.primals(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
     grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
     for lin in linears:
@@ -173,7 +173,7 @@ def find_grouped(joint: fx.GraphModule) -> list[Linear]:
         if weight.op == "placeholder" and weight.meta["val"].dim() == 3:
             found.append(Linear(module_path(node), weight, w, x, node, stored_kn=True))
 
-    primals = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+    primals = _compat.primals(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
     grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
     for lin in found:

@@ -13,13 +13,6 @@ _MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]|\._(?:modules|parame
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 _PRIVATE_DICTS = re.compile(r"\._(?:modules|parameters|buffers)\.")
-# Ops whose result aliases their input's storage (torch offloads and counts only the base).
-VIEWS = frozenset({
-    "aten.view", "aten.reshape", "aten._unsafe_view", "aten.permute", "aten.t", "aten.transpose",
-    "aten.expand", "aten.slice", "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.alias",
-    "aten.as_strided", "aten.split", "aten.unbind", "aten.diagonal",
-})
-_LAYER = re.compile(r"(?:^|\.)(layers|h|blocks|layer)\.(\d+)(?=\.|$)")
 
 
 def normalize_path(source: str, *, of_module: bool = True) -> str:
@@ -51,12 +44,6 @@ def module_path(node: fx.Node) -> str:
     return stack[-1][0] if stack else ""
 
 
-def layer_of(path: str) -> str:
-    """The transformer layer a module path belongs to (``layers.3``), or ``""``."""
-    match = _LAYER.search(path)
-    return f"{match.group(1)}.{match.group(2)}" if match else ""
-
-
 def op_name(node: fx.Node) -> str:
     """A short, version-stable op name: ``aten.addmm``, ``graphpass.quantize``, ``input``."""
     if node.op == "placeholder":
@@ -64,13 +51,7 @@ def op_name(node: fx.Node) -> str:
     if node.op != "call_function":
         return node.op
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}"
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return f"{target._qualified_op_name.replace('::', '.')}"
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return f"higher_order.{target.name()}"
-    return getattr(target, "__name__", str(target))
+    return _compat.op_name(target) or getattr(target, "__name__", str(target))
 
 
 def producer(node: fx.Node) -> fx.Node:
@@ -81,7 +62,7 @@ def producer(node: fx.Node) -> fx.Node:
 
 
 def is_backward(node: fx.Node) -> bool:
-    return node.meta.get("partitioner_tag") == "is_backward"
+    return _compat.partition_side(node) == "is_backward"
 
 
 def is_random(node: fx.Node) -> bool:

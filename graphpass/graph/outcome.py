@@ -2,53 +2,71 @@
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+
 import torch.fx as fx
 
+from .. import _compat
+from ..decisions import Decision, What, facts
 from .flops import node_flops
 from .nodes import module_path, op_name
-
-
-# Ops too cheap to mention when they are recomputed: views, casts, tuple access.
-_BOOKKEEPING = ("getitem", "aten.view", "aten.permute", "aten.t", "aten.expand", "aten.reshape",
-                "aten._unsafe_view", "aten.unsqueeze", "aten.squeeze", "aten.slice", "aten.select",
-                "aten.transpose", "aten.alias", "prims.convert_element_type", "aten.clone")
+from .ops import BOOKKEEPING
 
 
 def outcome_notes(fw: fx.GraphModule, bw: fx.GraphModule, *,
-                  num_fwd_outputs: int) -> tuple[list[str], int]:
-    """Notes on recomputed modules and re-quantized originals, and the recompute FLOPs.
+                  num_fwd_outputs: int) -> tuple[list[Decision], int]:
+    """Decisions on recomputed modules and re-quantized originals, and the recompute FLOPs.
 
     Nodes that came from the forward but run in the backward are the recomputed ones; the
     partitioner copies them with their metadata, ``partitioner_tag`` included.
     """
-    recomputed: dict[str, set[str]] = {}
+    recomputed: dict[str, tuple[Decision, set[str]]] = {}
     requantized: list[str] = []
     flops = 0
     for node in bw.graph.nodes:
         if op_name(node) == "higher_order.run_with_rng_state":
             # an op torch treats as random (attention), rebuilt by the partitioner without our
             # metadata: name it by its op and by the module of the tensors it reads
-            op = next(a for a in node.args if isinstance(a, torch._ops.OpOverload))
+            op = next(a for a in node.args if _compat.is_op_overload(a))
             module = next((module_path(a) for a in node.args[2:] if isinstance(a, fx.Node)), "")
-            recomputed.setdefault(f"recomputed: {op.name()} under its saved RNG state", set()).add(
-                module or "(top level)")
+            replayed = Decision(What.RECOMPUTED, "partitioner", f"{op.name()} under its saved RNG state")
+            recomputed.setdefault(replayed.why, (replayed, set()))[1].add(module or "(top level)")
             flops += node_flops(node)
             continue
-        if node.op != "call_function" or node.meta.get("partitioner_tag") not in (
-                "is_forward", "must_be_in_backward"):
+        side = _compat.partition_side(node)
+        if node.op != "call_function" or side not in ("is_forward", "must_be_in_backward"):
             continue
-        fp8 = node.meta.get("graphpass_fp8")
-        if fp8 and op_name(node) == "graphpass.quantize" and fp8.get("columnwise") and (
-                fp8.get("role") == "input"):
-            requantized.append(module_path(node) or "<root>")
-        if node.meta.get("partitioner_tag") == "is_forward":
+        quantized = facts(node).quantized
+        if (quantized is not None and op_name(node) == "graphpass.quantize" and quantized.columnwise
+                and quantized.role == "input"):
+            requantized.append(module_path(node))
+        if side == "is_forward":
             flops += node_flops(node)
-            reason = node.meta.get("graphpass_recompute", "recomputed: your checkpoint"
-                                   if "ac_graph_id" in node.meta else "recomputed: partitioner's choice")
-            if op_name(node) not in _BOOKKEEPING and not reason.startswith("saved"):
-                recomputed.setdefault(reason, set()).add(module_path(node) or "(top level)")
-    notes = [f"save original: {m} re-quantizes its saved input in the backward"
+            decision = recompute_decision(node)
+            if op_name(node) not in BOOKKEEPING and decision.what is What.RECOMPUTED:
+                recomputed.setdefault(decision.why, (decision, set()))[1].add(
+                    module_path(node) or "(top level)")
+    notes = [Decision(What.REQUANTIZED, "save original", module=m)
              for m in dict.fromkeys(requantized)]
-    notes += [f"{reason} in backward: {', '.join(sorted(mods))}" for reason, mods in recomputed.items()]
+    notes += [Decision(What.RECOMPUTED_IN_BACKWARD, decision.by, decision.why, ", ".join(sorted(mods)))
+              for decision, mods in recomputed.values()]
     return notes, flops
+
+
+def recompute_decision(node: fx.Node) -> Decision:
+    """Why a forward node is recomputed (or kept saved): a pass's decision, else the user's
+    checkpoint region, else torch's min-cut's own choice."""
+    decision = facts(node).recompute
+    if decision is not None:
+        return decision
+    if _compat.in_user_checkpoint(node):
+        return Decision(What.RECOMPUTED, "your checkpoint", "your checkpoint", node=node.name)
+    return Decision(What.RECOMPUTED, "partitioner", "partitioner's choice", node=node.name)
+
+
+def rng_state_decision(run_and_save: fx.Node) -> Decision:
+    """The decision for the RNG state torch saves for a recomputed random op (the forward's
+    ``run_and_save_rng_state``; its output, item 1, keeps the op's metadata)."""
+    output = next((u for u in run_and_save.users if u.args[1] == 1), run_and_save)
+    decision = recompute_decision(output)
+    return dataclasses.replace(decision, why=f"{decision.why} (replayed under this RNG state)")

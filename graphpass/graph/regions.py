@@ -11,17 +11,11 @@ from collections.abc import Iterable
 
 import torch.fx as fx
 
-from .nodes import is_backward, layer_of, module_path, module_stack, op_name
+from ..paths import layer_of
+from .nodes import is_backward, module_path, module_stack, op_name, producer
+from .ops import ELEMENTWISE, LINEAR_GEMMS
 
-GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "aten._scaled_mm", "graphpass.fp8_gemm")
 QUANTIZE = "graphpass.quantize"
-# Elementwise ops an activation function decomposes into (plus views and casts).
-ELEMENTWISE = frozenset({
-    "aten.silu", "aten.gelu", "aten.relu", "aten.sigmoid", "aten.tanh", "aten.erf", "aten.exp",
-    "aten.mul", "aten.add", "aten.sub", "aten.div", "aten.neg", "aten.pow", "aten.where",
-    "aten.clamp_min", "aten.le", "aten.gt", "aten.view", "aten.reshape", "aten._unsafe_view",
-    "aten.permute", "aten.clone", "prims.convert_element_type", "aten._to_copy", "getitem",
-})
 
 
 def forward_calls(joint: fx.GraphModule) -> list[fx.Node]:
@@ -29,7 +23,7 @@ def forward_calls(joint: fx.GraphModule) -> list[fx.Node]:
 
 
 def is_gemm(node: fx.Node) -> bool:
-    return op_name(node) in GEMMS
+    return op_name(node) in LINEAR_GEMMS
 
 
 def is_attention(node: fx.Node) -> bool:
@@ -37,17 +31,12 @@ def is_attention(node: fx.Node) -> bool:
     return "scaled_dot_product" in name or "attention" in name
 
 
-def _producer_op(node: fx.Node) -> str:
-    while op_name(node) == "getitem":
-        node = node.args[0]
-    return op_name(node)
-
-
 def is_expensive(node: fx.Node) -> bool:
     """GEMMs and attention: never recomputed unless the user selects their module."""
+    made_by = op_name(producer(node))
     return is_gemm(node) or is_attention(node) or (
-        op_name(node) == "getitem" and (_producer_op(node) in GEMMS or "attention" in _producer_op(node)
-                                       or "scaled_dot_product" in _producer_op(node)))
+        op_name(node) == "getitem" and (made_by in LINEAR_GEMMS or "attention" in made_by
+                                       or "scaled_dot_product" in made_by))
 
 
 def _is_norm(stack: list[tuple[str, type]]) -> bool:

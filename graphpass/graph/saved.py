@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .._compat import size_hint, storage_id
+from .._compat import offloaded_source, size_hint, storage_id
+from ..decisions import Decision, What, facts
 from ..report import Row
 from .nodes import module_path, normalize_path, op_name, producer, tensor_val
+from .ops import RNG_MARKERS, SAME_DATA
+from .outcome import rng_state_decision
 
-_RNG_MARKERS = ("rng", "seed", "philox")
 
 
 def saved_rows(
@@ -41,11 +43,11 @@ def saved_rows(
     for node in saved:
         val = node.meta.get("val")
         consumers = _consumers(bw_inputs.get(node.name))
-        decision = _decision(node)
+        decisions = _decisions(node)
         if not isinstance(val, torch.Tensor):
             rows.append(
                 Row(node.name, op_name(producer(node)), module_path(node), (), _dtype_name(val),
-                    0, 0, "symint" if _is_sym(val) else "other", consumers, decision)
+                    0, 0, "symint" if _is_sym(val) else "other", consumers, decisions)
             )
             continue
         sid = storage_id(val)
@@ -55,7 +57,7 @@ def saved_rows(
         if sid is not None and not alias_of:
             first_of_storage[sid] = node.name
         kind = _kind(node, val, is_param=sid in param_storages)
-        offloaded = _offloaded_source(node)
+        offloaded = offloaded_source(node)
         source = offloaded or node
         path = module_path(source) or normalize_path(input_sources.get(source.name, ""), of_module=False)
         rows.append(
@@ -69,7 +71,8 @@ def saved_rows(
                 tensor_bytes=size_hint(val.numel(), where=where) * val.element_size(),
                 kind=kind,
                 consumers=consumers,
-                decision="offloaded to CPU, reloaded for the backward" if offloaded else decision,
+                decisions=(Decision(What.OFFLOADED, "offload", node=offloaded.name),) if offloaded
+                else decisions,
                 alias_of=alias_of,
                 copy_of=_copy_of(node, saved_origins),
                 offloaded=offloaded is not None,
@@ -78,36 +81,26 @@ def saved_rows(
     return rows
 
 
-def _offloaded_source(node: fx.Node) -> fx.Node | None:
-    """The tensor a ``cpu_offload_*`` node (torch's activation offloading) moves to the host."""
-    if op_name(node) == "prims.device_put" and node.name.startswith("cpu_offload_"):
-        return node.args[0]
-    return None
-
-
-def _decision(node: fx.Node) -> str:
-    """What the passes decided for a saved value, in the user's words."""
-    parts = []
-    fp8 = node.meta.get("graphpass_fp8")
-    if fp8 and fp8.get("columnwise"):
-        parts.append(f"fp8 copy ({fp8['role']}, columnwise)")
-    elif fp8:
-        parts.append(f"fp8 copy ({fp8['role']})")
-    reason = node.meta.get("graphpass_recompute", "")
-    if reason.startswith("saved"):
-        parts.append(reason.removeprefix("saved: "))
-    if "graphpass_offload" in node.meta:
-        parts.append(node.meta["graphpass_offload"])
-    return "; ".join(parts) or "saved"
-
-
-_SAME_DATA = ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.permute", "aten.t",
-              "aten.transpose", "aten.clone", "aten.expand", "aten.contiguous")
+def _decisions(node: fx.Node) -> tuple[Decision, ...]:
+    """What the passes decided for a saved value. The RNG state torch saves for a recomputed
+    random op is saved for that recompute, so it carries the op's recompute decision."""
+    if op_name(producer(node)) == "higher_order.run_and_save_rng_state":
+        return (rng_state_decision(producer(node)),)
+    known = facts(node)
+    decisions = []
+    if known.quantized is not None:
+        usage = ", columnwise" if known.quantized.columnwise else ""
+        decisions.append(Decision(What.FP8_COPY, "fp8", known.quantized.role + usage, node=node.name))
+    if known.recompute is not None and known.recompute.what is What.SAVED:
+        decisions.append(known.recompute)
+    if known.offload is not None:
+        decisions.append(known.offload)
+    return tuple(decisions)
 
 
 def _origin(node: fx.Node) -> fx.Node:
     """The tensor whose data ``node`` holds, through views, copies and re-layouts."""
-    while node.op == "call_function" and op_name(node) in _SAME_DATA:
+    while node.op == "call_function" and op_name(node) in SAME_DATA:
         node = node.args[0]
     return node
 
@@ -116,22 +109,20 @@ def _copy_of(node: fx.Node, saved_origins: dict[str, str]) -> str:
     """For an FP8 copy: the saved row holding the same data in high precision, if any, else the
     name of the tensor it quantizes. Names, not nodes: the source is a joint-graph node, the
     saved values are nodes of the forward module (copies with the same names)."""
-    fp8 = node.meta.get("graphpass_fp8")
-    source = fp8.get("source") if fp8 else None
-    if not isinstance(source, fx.Node):
+    quantized = facts(node).quantized
+    if quantized is None:
         return ""
-    return saved_origins.get(_origin(source).name, source.name)
+    return saved_origins.get(_origin(quantized.source).name, quantized.source.name)
 
 
 def _kind(node: fx.Node, val: torch.Tensor, *, is_param: bool) -> str:
     if is_param:
         return "parameter"
-    marked = node.meta.get("graphpass_kind")
-    if marked:
-        return marked
+    if facts(node).fp8_scale:
+        return "fp8_scale"
     if val.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return "fp8_data"
-    if any(m in op_name(producer(node)) for m in _RNG_MARKERS):
+    if any(m in op_name(producer(node)) for m in RNG_MARKERS):
         return "rng_state"
     return "activation"
 

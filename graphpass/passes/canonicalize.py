@@ -16,9 +16,10 @@ import torch.fx as fx
 
 from .. import _compat
 from ..config import Config
+from ..decisions import Plan
 
 
-def canonicalize(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+def canonicalize(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if _compat.remove_noop_ops(joint.graph):
         joint.graph.lint()
         joint.recompile()

@@ -27,51 +27,47 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..config import Config
-from ..fp8 import ops, providers, recipes  # noqa: F401  (ops registers the graph ops)
+from ..decisions import Decision, Plan, Quantized, What, record
+from ..fp8 import providers, recipes
+from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
+from ..graph.flops import node_flops
 from ..graph.linears import Linear, find_grouped, find_linears
 from ..graph.nodes import op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-_QUANTIZE = torch.ops.graphpass.quantize.default
-_GEMM = torch.ops.graphpass.fp8_gemm.default
 
 
-def lower_fp8(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
     quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]] = {}
     for lin in find_linears(joint) + find_grouped(joint):
         reason = why_not_lowered(lin, config)
         if reason:
-            note = f"not lowered: {lin.module or '<root>'}: {reason}"
-            if note not in log:  # a module's experts: several grouped GEMMs, one note
-                log.append(note)
+            plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)
             for node in (lin.fprop, lin.dgrad, lin.wgrad):
                 if node is not None:
-                    node.meta[gemms.REASON] = reason
+                    record(node, not_lowered=reason)
             continue
         device = lin.x.meta["val"].device
         try:
             provider, why = providers.resolve(config.kernels, config.fp8, device)
         except ValueError as e:
             raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
-        if why and f"kernels: {why}" not in log:
-            log.append(f"kernels: {why}")
+        if why:
+            plan.decide(Decision(What.KERNELS, "fp8", why), once=True)
         _rewrite(joint, lin, config.fp8, provider.name, quantized)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
-        note = f"lowered: {lin.module or '<root>'} ({provider.name}/{config.fp8}{extra})"
-        if note not in log:  # a module's experts: several grouped GEMMs, one note
-            log.append(note)
+        plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{config.fp8}{extra}", lin.module),
+                    once=True)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
-    said = set(log)
     for gemm in gemms.gemms(joint):
-        note = f"not lowered: {gemm.module or '<root>'}: {gemm.reason}"
-        if gemm.reason is not None and note not in said:
-            said.add(note)
-            log.append(note)
+        if gemm.reason is not None:
+            plan.decide(Decision(What.NOT_LOWERED, "fp8", gemm.reason, gemm.module), once=True)
     joint.graph.lint()
     joint.recompile()
 
@@ -86,7 +82,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
         return f"dtype {x.dtype}/{w.dtype} is not float32, bfloat16 or float16"
     # x is (M, K) or, for grouped experts, (groups, M, K); W is (N, K), or (K, N) when stored
     # [in, out], with the same leading groups.
-    *groups, m, k = x.shape
+    *_, m, k = x.shape
     n = w.shape[-1] if lin.stored_kn else w.shape[-2]
     multiple = recipes.requires_divisibility(config.fp8)
     # wgrad contracts over M (tokens), so M needs the same alignment as K and N.
@@ -95,7 +91,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
             return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
         if size % multiple:
             return f"{dim}={size} not a multiple of {multiple}"
-    flops = 2 * m * n * k * (groups[0] if groups else 1)
+    flops = node_flops(lin.fprop)  # torch's formula: 2*M*N*K, per group for experts
     if flops < config.fp8_min_gemm_flops:
         return f"GEMM of {flops:,} FLOPs is below fp8_min_gemm_flops={config.fp8_min_gemm_flops:,}"
     return None
@@ -110,19 +106,18 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
         if key not in quantized:
             usage = "columnwise" if columnwise else "rowwise"
             with graph.inserting_before(before):
-                q = _call(graph, _QUANTIZE, (x, recipe, role, usage), before, backward)
+                q = _call(graph, QUANTIZE, (x, recipe, role, usage), before, backward)
                 data = _call(graph, operator.getitem, (q, 0), before, backward)
                 scale = _call(graph, operator.getitem, (q, 1), before, backward)
-            scale.meta["graphpass_kind"] = "fp8_scale"
             for node in (q, data, scale):
-                node.meta["graphpass_fp8"] = {"role": role, "columnwise": columnwise,
-                                              "source": x, "recipe": recipe}
+                record(node, quantized=Quantized(role, columnwise, x, recipe))
+            record(scale, fp8_scale=True)
             quantized[key] = (data, scale)
         return quantized[key]
 
     def gemm(old: fx.Node, a, b, roles: str, bias: fx.Node | None, backward: bool) -> None:
         with graph.inserting_before(old):
-            new = _call(graph, _GEMM, (*a, *b, recipe, roles, old.meta["val"].dtype, bias,
+            new = _call(graph, FP8_GEMM, (*a, *b, recipe, roles, old.meta["val"].dtype, bias,
                                               kernel), old, backward)
         old.replace_all_uses_with(new)
         graph.erase_node(old)
@@ -173,15 +168,13 @@ def _call(graph: fx.Graph, target: Callable[..., Any], args: tuple, like: fx.Nod
     else:
         with fake_mode or contextlib.nullcontext():
             node.meta["val"] = target(*vals)
-    node.meta["partitioner_tag"] = "is_backward" if backward else "is_forward"
+    _compat.set_partition_side(node, "is_backward" if backward else "is_forward")
     for key in ("nn_module_stack", "fwd_nn_module_stack", "seq_nr", "stack_trace"):
         if key in like.meta:
             node.meta[key] = like.meta[key]
     # Inside a user's checkpoint region (torch.utils.checkpoint, SAC), the quantizes and FP8 GEMM
     # that replace a GEMM keep the region's policy: the user's checkpoint still covers them.
     if not backward:
-        for key in ("recompute", "ac_graph_id"):
-            if key in like.meta:
-                node.meta[key] = like.meta[key]
+        _compat.copy_checkpoint_tags(like, node)
     return node
 

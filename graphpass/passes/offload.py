@@ -13,43 +13,45 @@ import fnmatch
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from .._compat import size_hint
 from ..config import Config
-from ..graph.nodes import VIEWS, is_backward, module_path, op_name
+from ..decisions import Decision, Plan, What, facts, record
+from ..graph.nodes import is_backward, module_path, op_name
+from ..graph.ops import VIEWS
 from ..report import format_bytes
 
 
-
-def offload(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
-    static = {n for n in joint.graph.find_nodes(op="placeholder") if n.meta.get("graphpass_static")}
+def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     # Every value the forward can compute may be saved: backward nodes too, where they read no
     # tangent, since the min-cut may run them in the forward and save their output (torch 2.14
     # saves a LayerNorm backward's normalized input where 2.13 saves the forward's equal one).
     reads_tangents: set[fx.Node] = set()
     for node in joint.graph.nodes:
-        if (node.op == "placeholder" and "tangents" in node.name) or (
+        if _compat.is_tangent(node) or (
                 is_backward(node) and any(i in reads_tangents for i in node.all_input_nodes)):
             reads_tangents.add(node)
             continue
         if node.op not in ("placeholder", "call_function"):
             continue
-        reason = why_not_offloaded(node, config, is_parameter=node in static)
-        node.meta["graphpass_offload"] = f"offload: no ({reason})" if reason else (
-            "offload: yes" if config.offload else "offload: eligible")
+        reason = why_not_offloaded(node, config, is_parameter=node in plan.parameters)
+        what = (What.NOT_OFFLOADED if reason else What.OFFLOAD if config.offload
+                else What.OFFLOAD_ELIGIBLE)
+        record(node, offload=Decision(what, "offload", reason or "", node=node.name))
         if config.offload and not reason:
-            node.meta["should_offload"] = True
+            _compat.mark_for_offload(node)
 
 
 def why_not_offloaded(node: fx.Node, config: Config, *, is_parameter: bool) -> str | None:
     val = node.meta.get("val")
-    fp8 = node.meta.get("graphpass_fp8", {})
+    known = facts(node)
     if is_parameter:
         return "parameter"
     if not isinstance(val, torch.Tensor):
         return "not a tensor"
-    if fp8.get("role") == "weight":
+    if known.quantized is not None and known.quantized.role == "weight":
         return "quantized weight"
-    if node.meta.get("graphpass_kind") == "fp8_scale":
+    if known.fp8_scale:
         return "FP8 scale"
     nbytes = size_hint(val.numel(), where=f"offload's size of {node.name}") * val.element_size()
     if nbytes < config.offload_min_bytes:

@@ -15,13 +15,14 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import Config
+from ..decisions import Decision, Plan, What
 from ..graph.flops import node_flops, step_flops
 from ..graph.nodes import is_random
 from ..graph.regions import forward_calls, is_expensive
-from .recompute import conflict_note, tag, user_policy
+from .tags import overruled_by_user, tag, user_policy
 
 
-def plan_memory(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+def plan_memory(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.memory_policy != "auto":
         return
     candidates = []
@@ -37,7 +38,7 @@ def plan_memory(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
         else:
             candidates.append(node)
     if overruled:
-        log.append(conflict_note("planner", overruled, CheckpointPolicy.MUST_SAVE))
+        plan.decide(overruled_by_user("planner", overruled, CheckpointPolicy.MUST_SAVE))
     if config.recompute_budget is None:
         return
     step = step_flops(joint)
@@ -51,5 +52,5 @@ def plan_memory(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
             break
         tag(node, CheckpointPolicy.MUST_SAVE)
         total -= cost[node]
-    log.append(f"planner: recompute allowed for ops worth at most {total / max(step, 1):.3%} "
-               f"of the step's FLOPs (budget {config.recompute_budget:.1%})")
+    plan.decide(Decision(What.BUDGET, "planner", f"{total / max(step, 1):.3%} of the step's FLOPs "
+                         f"(budget {config.recompute_budget:.1%})"))

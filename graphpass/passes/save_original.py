@@ -24,13 +24,15 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .. import _compat
 from ..config import Config
+from ..decisions import FACTS, Plan, facts
+from ..fp8.ops import QUANTIZE
 from ..graph.nodes import is_backward, module_path, op_name
 
-_QUANTIZE = torch.ops.graphpass.quantize.default
 
 
-def save_original(joint: fx.GraphModule, config: Config, log: list[str]) -> None:
+def save_original(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
     rowwise: dict[tuple[fx.Node, str], fx.Node] = {}
@@ -52,8 +54,7 @@ def save_original(joint: fx.GraphModule, config: Config, log: list[str]) -> None
             policy = "always"
         if policy == "always":
             for node in (col, *col.users):
-                node.meta["partitioner_tag"] = "must_be_in_backward"
-                node.meta["graphpass_fp8"]["decision"] = "save original"
+                _compat.set_partition_side(node, "must_be_in_backward")
         elif policy == "never" and (x, role) in rowwise:
             _merge(joint.graph, rowwise[(x, role)], col)
     joint.graph.lint()
@@ -64,10 +65,10 @@ def _merge(graph: fx.Graph, row: fx.Node, col: fx.Node) -> None:
     """One ``usage="both"`` quantize in place of a rowwise and a columnwise one."""
     x, recipe, role, _ = row.args
     with graph.inserting_before(row):
-        both = graph.call_function(_QUANTIZE, (x, recipe, role, "both"))
+        both = graph.call_function(QUANTIZE, (x, recipe, role, "both"))
         both.meta = {**row.meta, "val": [*row.meta["val"], *col.meta["val"]]}
         # saved in the forward, unless the user's checkpoint region recomputes it
-        if "ac_graph_id" not in row.meta:
+        if not _compat.in_user_checkpoint(row):
             both.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         outs = []
         for i in range(4):
@@ -78,8 +79,7 @@ def _merge(graph: fx.Graph, row: fx.Node, col: fx.Node) -> None:
         for user in list(old.users):
             index = user.args[1]
             new = outs[offset + index]
-            new.meta.update({k: v for k, v in user.meta.items() if k.startswith("graphpass")})
-            new.meta["graphpass_fp8"] = {**user.meta.get("graphpass_fp8", {}), "decision": "fp8 copy"}
+            new.meta[FACTS] = facts(user)  # which usage it is, a scale or not
             user.replace_all_uses_with(new)
             graph.erase_node(user)
         graph.erase_node(old)

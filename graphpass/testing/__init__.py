@@ -13,11 +13,9 @@ from .assertions import (
     assert_no_parameter_offloaded,
     assert_recomputed,
     assert_saved_in_one_dtype,
-    is_offloaded,
-    is_recomputed,
 )
-from .diff import Change, SnapshotDiff, diff
-from .snapshot import Entry, Snapshot
+# the report's snapshot format, diffs and row predicates, for tests to use beside the assertions
+from ..report import Change, Entry, Snapshot, SnapshotDiff, diff, is_offloaded, is_recomputed
 
 __all__ = [
     "Change",

@@ -14,9 +14,8 @@ from typing import Literal, Sequence, Union
 
 import torch.nn as nn
 
-from ..report import Report, Row, format_bytes
-from .diff import diff
-from .snapshot import Snapshot, format_shape
+from ..decisions import What
+from ..report import Report, Row, Snapshot, diff, format_bytes, format_shape, is_offloaded, is_recomputed
 
 Baseline = Union[Report, Snapshot, str, "os.PathLike[str]"]
 _SHOWN = 10  # offending rows listed in a message; more are counted
@@ -169,18 +168,18 @@ def assert_fp8_lowered(
 ) -> None:
     """Every linear is lowered to FP8, or left in high precision for an allowed reason.
 
-    Reads the FP8 pass's notes (``lowered: <module> ...`` and ``not lowered: <module>: <reason>``).
-    ``allowed`` are fnmatch patterns of reasons; with ``model``, every ``nn.Linear`` in it must have
-    a note, so a linear the pass never saw fails too.
+    Reads the FP8 pass's decisions (``lowered: <module> ...`` and
+    ``not lowered: <module>: <reason>`` in the notes). ``allowed`` are fnmatch patterns of
+    reasons; with ``model``, every ``nn.Linear`` in it must have a decision, so a linear the pass
+    never saw fails too.
     """
     __tracebackhide__ = True
     lowered, not_lowered = set(), {}
-    for note in _require(report).notes:
-        if note.startswith("lowered: "):
-            lowered.add(note.removeprefix("lowered: ").split(" (", 1)[0])
-        elif note.startswith("not lowered: "):
-            module, _, reason = note.removeprefix("not lowered: ").partition(": ")
-            not_lowered[module] = reason
+    for decision in _require(report).decisions:
+        if decision.what is What.LOWERED:
+            lowered.add(decision.module or "<root>")
+        elif decision.what is What.NOT_LOWERED:
+            not_lowered[decision.module or "<root>"] = decision.why
     problems = [f"  {m}: {reason}" for m, reason in sorted(not_lowered.items())
                 if not any(fnmatch.fnmatchcase(reason, a) for a in allowed)]
     if model is not None:
@@ -192,21 +191,6 @@ def assert_fp8_lowered(
     if problems:
         raise AssertionError(f"linears not lowered to FP8 for a reason outside {list(allowed)}:\n"
                              + "\n".join(problems))
-
-
-def is_offloaded(row: Row) -> bool:
-    """Kept in host memory, or decided so (``offload: yes``); ``offload: no (...)`` and
-    ``offload: eligible`` are not offloads."""
-    return row.offloaded or any(d == "offload: yes" or d.startswith("offloaded") for d in _decisions(row))
-
-
-def is_recomputed(row: Row) -> bool:
-    return any(d.startswith("recomputed") for d in _decisions(row))
-
-
-def _decisions(row: Row) -> list[str]:
-    # Passes append their decisions; saved.py joins them with "; ".
-    return [part.strip() for part in row.decision.split(";")]
 
 
 def _require(report: Report | None) -> Report:

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Union
 
-from ..graph.nodes import layer_of
-from ..report import Report, Row, SavedTotals
+from ..paths import natural_key
+from .rows import Report, Row
+from .totals import SavedTotals
 
 MAGIC = "# graphpass saved-tensor snapshot"
 HEADER = f"{MAGIC} v1 (regenerate: pytest --graphpass-update)"
 COLUMNS = "# module | op | shape | dtype | kind | bytes | decision"
 SEP = " | "
-OUTSIDE_LAYERS = "(outside layers)"
 
 Identity = tuple[str, str, tuple[int, ...], str, str, int]
 
@@ -119,13 +118,9 @@ class Snapshot(SavedTotals):
         return self.entries
 
     def bytes_by(self, key: str) -> dict[str, int]:
-        """Activation bytes grouped by ``kind``, ``dtype``, ``module`` or ``layer``."""
-        totals: dict[str, int] = {}
-        for e in self.entries:
-            if e.is_activation:
-                group = (layer_of(e.module) or OUTSIDE_LAYERS) if key == "layer" else getattr(e, key)
-                totals[group] = totals.get(group, 0) + e.bytes
-        return dict(sorted(totals.items(), key=lambda kv: natural_key(kv[0])))
+        """Activation bytes grouped by ``kind``, ``dtype``, ``module`` or ``layer``, in natural
+        order (a snapshot's order may not depend on the graph's)."""
+        return dict(sorted(super().bytes_by(key).items(), key=lambda kv: natural_key(kv[0])))
 
     def render(self) -> str:
         lines = [HEADER, COLUMNS, *(e.line() for e in self.entries), ""]
@@ -144,11 +139,6 @@ class Snapshot(SavedTotals):
 
 def format_shape(shape: Iterable[int]) -> str:
     return "x".join(map(str, shape)) or "()"
-
-
-def natural_key(text: str) -> tuple[object, ...]:
-    """Sort key that orders digit runs by value: ``layers.2`` before ``layers.10``."""
-    return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", text)))
 
 
 def _entry(row: Row, base: Row | None) -> Entry:

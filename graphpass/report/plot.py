@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from typing import Mapping, Sequence, Union
 
-from .graph.nodes import layer_of
-from .report import Report, Row, format_bytes
-from .testing.assertions import is_offloaded, is_recomputed
-from .testing.snapshot import OUTSIDE_LAYERS, natural_key
+from ..paths import natural_key
+from .rows import Report, Row, is_offloaded, is_recomputed
+from .totals import format_bytes, grouped, layer
 
-# Stacked bottom to top; hatched kinds do not occupy device memory.
+# Stacked bottom to top. Offloaded values (hatched) do not occupy device memory; recomputed ones
+# (dotted) are what a recompute saves for itself: the RNG state a random op is replayed under.
 CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("activation bfloat16", "#4c72b0", ""),
     ("activation float32", "#8fb3de", ""),
@@ -35,12 +35,10 @@ def category(row: Row) -> str:
 
 
 def bytes_by_layer_and_category(report: Report) -> dict[str, dict[str, int]]:
-    totals: dict[str, dict[str, int]] = {}
-    for r in report.rows:
-        if r.kind != "parameter":  # offloaded rows too: they are a segment of their own
-            per_layer = totals.setdefault(layer_of(r.module) or OUTSIDE_LAYERS, {})
-            per_layer[category(r)] = per_layer.get(category(r), 0) + r.bytes
-    return totals
+    # offloaded rows too: they are a segment of their own
+    saved = [r for r in report.rows if r.kind != "parameter"]
+    return {name: grouped((r for r in saved if layer(r) == name), category)
+            for name in grouped(saved, layer)}
 
 
 def plot_saved_bytes(

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from ..report import Report
-from .snapshot import Entry, Snapshot, natural_key
+from ..paths import natural_key
+from .rows import Report
+from .snapshot import Entry, Snapshot
 
 Comparable = Union[Report, Snapshot]
 

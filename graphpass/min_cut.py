@@ -1,0 +1,78 @@
+"""torch's min-cut partitioner under the passes' tags, weighing recomputed random ops.
+
+torch recomputes an op it treats as random (attention, dropout) under an RNG state it saves for
+it (on CPU a 5 KB generator state), which its min-cut does not cost and which can outweigh the
+outputs the recompute discards. Where the user's recompute selection includes such ops, the
+joint graph is partitioned a second time with them kept saved, and the plan that saves fewer
+bytes is used.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import _compat
+from .config import Config
+from .decisions import Decision, Plan, What
+from .graph.nodes import module_path, op_name
+from .passes.tags import random_recomputes, tag
+from .report import Report
+
+Partitioned = tuple[fx.GraphModule, fx.GraphModule]
+
+
+def min_cut(
+    joint: fx.GraphModule,
+    joint_inputs: Sequence[Any],
+    *,
+    plan: Plan,
+    config: Config,
+    saved: Callable[[fx.GraphModule, fx.GraphModule], Report],
+    **partitioner_args: Any,
+) -> Partitioned:
+    """torch's min-cut of ``joint`` (``partitioner_args``: ``num_fwd_outputs``,
+    ``static_lifetime_input_indices``, ``compiler``); ``saved`` reports what a partition saves,
+    to weigh the two plans where random ops are selected for recompute."""
+    on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in plan.primals)
+
+    def partition(graph: fx.GraphModule) -> Partitioned:
+        with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
+                                      offload_stream=config.offload_on_stream and on_cuda):
+            return _compat.min_cut_partition(graph, joint_inputs, **partitioner_args)
+
+    random = random_recomputes(joint)
+    if not random:
+        return partition(joint)
+    keeping = _keeping_saved(joint, random)  # copy first: torch's partitioner edits its graph
+    recomputing, kept = partition(joint), partition(keeping)
+    recomputing_saved = saved(*recomputing)
+    more = recomputing_saved.activation_bytes - saved(*kept).activation_bytes
+    if more <= 0:
+        return recomputing
+    rng = recomputing_saved.bytes_by("kind").get("rng_state", 0)
+    ops = sorted({f"{op_name(n)} in {module_path(n) or '(top level)'}" for n in random})
+    plan.decide(Decision(What.KEPT_SAVED, "recompute", (
+        f"{', '.join(ops)}; recomputing would save their RNG state ({rng:,} B) and {more:,} B "
+        "more in all")))
+    return kept
+
+
+def _keeping_saved(joint: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
+    """A copy of the joint graph (metadata copied per node) with ``nodes`` kept saved."""
+    graph = fx.Graph()
+    graph._codegen = joint.graph._codegen
+    graph.output(graph.graph_copy(joint.graph, {}))
+    # a multi-output op is saved through its getitems (torch saves tensors, not tuples)
+    names = {n.name for n in nodes} | {u.name for n in nodes for u in n.users
+                                        if u.target is operator.getitem}
+    for node in graph.nodes:
+        if node.name in names:
+            tag(node, CheckpointPolicy.MUST_SAVE, Decision(
+                What.SAVED, "recompute", "recomputing it would save more", node=node.name))
+    copy = fx.GraphModule(joint, graph)
+    copy.meta.update(joint.meta)
+    return copy

@@ -1,0 +1,103 @@
+"""graphpass's modules import downwards only: no cycle, and no import from a lower layer into a
+higher one. Read from the source (ast), so an import inside a function counts too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import graphpass
+
+ROOT = Path(graphpass.__file__).parent
+
+# Lowest first. A module may import modules of its own layer and of the layers below it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("_version", "_compat", "config", "decisions", "paths"),
+    ("report",),
+    ("fp8", "graph"),
+    ("passes",),
+    ("min_cut", "reporting", "pipeline"),
+    ("backend", "plan", "distributed"),
+    ("testing",),
+    ("cli_flags", "cli", "__main__", "__init__"),
+)
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0]
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"graphpass.{module} is in no layer: add it to LAYERS")
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for annotations only,
+    which never run)."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+            continue
+        yield child
+        yield from _runtime_nodes(child)
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """The graphpass modules ``path`` imports, as names relative to the package."""
+    package = module.split(".")[:-1] if path.name != "__init__.py" else module.split(".")
+    if module == "__init__":
+        package = []
+    found = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                name = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            elif (node.module or "").startswith("graphpass"):
+                name = node.module.removeprefix("graphpass").lstrip(".")
+            else:
+                continue
+            for alias in node.names:  # `from . import _compat` imports a module
+                child = f"{name}.{alias.name}" if name else alias.name
+                found.add(child if (ROOT / (child.replace(".", "/") + ".py")).exists()
+                          or (ROOT / child.replace(".", "/")).is_dir() else name)
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("graphpass.") for a in node.names
+                      if a.name.startswith("graphpass.")}
+    return {f for f in found if f}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module(p): _imports(p, _module(p)) for p in sorted(ROOT.rglob("*.py"))}
+
+
+def test_no_import_goes_up_a_layer() -> None:
+    upward = [f"{m} (layer {_layer(m)}) imports {i} (layer {_layer(i)})"
+              for m, imports in _graph().items() for i in sorted(imports) if _layer(i) > _layer(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    # a package's __init__ re-exporting its own modules is no cycle through them
+    edges = {m: {i for i in imports if not i.startswith(m + ".")} for m, imports in graph.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for i in sorted(edges.get(m, ())):
+            if state.get(i) == 1:
+                cycles.append(path[path.index(i):] + [i])
+            elif i not in state:
+                visit(i, [*path, i])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
