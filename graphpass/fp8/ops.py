@@ -102,7 +102,8 @@ def fp8_gemm(
 
 def _k_major(t: Tensor) -> Tensor:
     """``t`` with its last dimension contiguous, copied only where it is not."""
-    return t if t.stride(-1) == 1 and all(s >= t.shape[-1] for s in t.stride()[:-1]) else t.contiguous()
+    k_major = t.stride(-1) == 1 and all(s >= t.shape[-1] for s in t.stride()[:-1])
+    return t if k_major else t.contiguous()
 
 
 @fp8_gemm.register_fake
