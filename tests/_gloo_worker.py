@@ -244,13 +244,6 @@ def tp_ref(out: str) -> None:
     torch.save(results, os.path.join(out, "tp_ref.pt"))
 
 
-# --- the harness's own test: a rank that never joins ------------------------------------------
-
-
-def hang_ref(out: str) -> None:
-    pass
-
-
 # --- entry point ----------------------------------------------------------------------------
 
 
