@@ -67,8 +67,9 @@ def _patterns() -> Any:
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
                         pm.KeywordArg("role"), pm.KeywordArg("usage")),
-        extra_check=lambda match: inlinable(match.kwargs["recipe"], match.kwargs["role"],
-                                            match.kwargs["x"].meta["val"].device),
+        # a grouped quantize (offsets: one scale per token group) stays one op
+        extra_check=lambda match: len(match.output_node().args) == 4 and inlinable(
+            match.kwargs["recipe"], match.kwargs["role"], match.kwargs["x"].meta["val"].device),
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:

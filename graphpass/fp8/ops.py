@@ -19,7 +19,8 @@ from . import providers, recipes
 USAGES = ("rowwise", "columnwise", "both")
 
 
-def _quantize(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
+def _quantize(x: Tensor, recipe: str, role: str, usage: str,
+              offs: Optional[Tensor] = None) -> list[Tensor]:
     """FP8 copies of a 2-D tensor in ``role`` under ``recipe``: ``[data, scale_inv]`` per usage.
 
     ``usage`` is ``"rowwise"`` (data (M, K)), ``"columnwise"`` (the transposed copy, data (K, M),
@@ -29,6 +30,11 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
     """
     if usage not in USAGES:
         raise ValueError(f"unknown quantize usage {usage!r}; valid usages are {USAGES}")
+    if offs is not None:
+        out = []
+        for columnwise in {"rowwise": (False,), "columnwise": (True,), "both": (False, True)}[usage]:
+            out += _quantize_groups(x, recipe, role, columnwise, offs)
+        return out
     if x.dim() == 3:
         # A group of matrices (one per MoE expert): each quantized on its own, so every scale,
         # tensorwise ones included, belongs to one expert (as in TE's GroupedLinear).
@@ -40,7 +46,98 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
     return out
 
 
-def _quantize_fake(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
+def group_blocks(recipe: str, role: str, columnwise: bool) -> int | None:
+    """The token block of a grouped (``offs``) quantize's scales: None where a scale never spans
+    tokens of two groups by construction (blocks along K, rowwise), else the block length along
+    the tokens (columnwise 1x128 blockwise, 1x32 mxfp8); 0 for one scale per group
+    (tensorwise)."""
+    block = recipes.block_shape(recipe, role)
+    if block is None:
+        return 0
+    return block[1] if columnwise else None
+
+
+def grouped_scale_blocks(tokens: int, groups: int, block: int) -> int:
+    """Scale columns of a columnwise block-scaled grouped quantize: every group starts a new
+    block, so at most ceil(tokens / block) + groups - 1 blocks; one more keeps it simple."""
+    return -(-tokens // block) + groups
+
+
+def _quantize_groups(x: Tensor, recipe: str, role: str, columnwise: bool,
+                     offs: Tensor) -> list[Tensor]:
+    """Quantize (T, K) ``x`` whose rows are groups of tokens, one group per expert: group g is
+    rows ``offs[g-1]:offs[g]`` (``offs[-1]`` of 0), as ``torch._grouped_mm``'s offsets.
+
+    Each group is quantized on its own wherever a scale could span groups, i.e. padded per group:
+
+    * tensorwise: one scale per group (rowwise and columnwise alike; TE ``GroupedLinear``), shape
+      (G,); an empty group gets scale 1;
+    * blockwise / mxfp8 rowwise: blocks run along K inside a row, so this is the plain quantize;
+    * blockwise / mxfp8 columnwise (data (K, T), blocks along the tokens, the wgrad operand):
+      blocks restart at each group's first token and a group's partial last block is padded
+      with zeros (gets the amax of its own tokens). Scales are (K, ceil(T/B) + G); group g's
+      blocks are the columns from ``sum(ceil(n_h / B) for h < g)`` on; unused columns hold scale
+      1 (blockwise) or the E8M0 byte 127 (mxfp8, also 1).
+
+    Rows at or past ``offs[-1]`` belong to no group: their data is 0.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"a grouped quantize takes a 2-D (tokens, K) tensor, got {tuple(x.shape)}")
+    t, k = x.shape
+    dtype = recipes.fp8_dtype(recipe, role)
+    block = group_blocks(recipe, role, columnwise)
+    if block is None:
+        return recipes.quantize(x, recipe, role, columnwise=columnwise)
+    data = torch.zeros((k, t) if columnwise else (t, k), dtype=dtype, device=x.device)
+    groups = offs.shape[0]
+    if block == 0:
+        scale = torch.ones(groups, dtype=torch.float32, device=x.device)
+    else:
+        fill = 127 if recipe == "mxfp8" else 1
+        scale = torch.full((k, grouped_scale_blocks(t, groups, block)), fill, device=x.device,
+                           dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)
+    start, col = 0, 0
+    for g, end in enumerate(offs.tolist()):
+        n = end - start
+        if n > 0:
+            xg = x[start:end]
+            if block:  # mxfp8 quantizes whole 32-row blocks only: pad the group with zeros
+                pad = -n % block
+                xg = torch.nn.functional.pad(xg, (0, 0, 0, pad)) if pad else xg
+            d, s = recipes.quantize(xg, recipe, role, columnwise=columnwise)
+            if columnwise:
+                data[:, start:end] = d[:, :n]
+            else:
+                data[start:end] = d
+            if block == 0:
+                scale[g] = s
+            else:
+                scale[:, col:col + s.shape[1]] = s
+                col += s.shape[1]
+        start = end
+    return [data, scale]
+
+
+def _quantize_groups_fake(x: Tensor, recipe: str, role: str, columnwise: bool,
+                          offs: Tensor) -> list[Tensor]:
+    block = group_blocks(recipe, role, columnwise)
+    if block is None:
+        return recipes.quantize(x, recipe, role, columnwise=columnwise)
+    t, k = x.shape
+    data = x.new_empty((k, t) if columnwise else (t, k), dtype=recipes.fp8_dtype(recipe, role))
+    if block == 0:
+        return [data, x.new_empty((offs.shape[0],), dtype=torch.float32)]
+    return [data, x.new_empty((k, grouped_scale_blocks(t, offs.shape[0], block)),
+                              dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)]
+
+
+def _quantize_fake(x: Tensor, recipe: str, role: str, usage: str,
+                   offs: Optional[Tensor] = None) -> list[Tensor]:
+    if offs is not None:
+        out = []
+        for columnwise in {"rowwise": (False,), "columnwise": (True,), "both": (False, True)}[usage]:
+            out += _quantize_groups_fake(x, recipe, role, columnwise, offs)
+        return out
     # The recipe is plain tensor arithmetic, so it runs on fake tensors and gives exact
     # metadata; a group's metadata is one member's with the group dimension in front (tracing
     # one member, not DeepSeek-V3's 256: 0.1 s instead of 13 s per quantize under fake tensors).
@@ -49,16 +146,17 @@ def _quantize_fake(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor
     return _quantize(x, recipe, role, usage)
 
 
-def _quantize_op(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
+def _quantize_op(x: Tensor, recipe: str, role: str, usage: str,
+                 offs: Optional[Tensor] = None) -> list[Tensor]:
     # Run eagerly (codegen="eager", block recipes, quantizes Inductor leaves as one op), a
     # tensorwise pair from one amax: the columnwise copy is the rowwise one transposed, bit for
     # bit (same scale, elementwise cast), so one 1-byte transpose replaces a second amax and cast
     # over x. Inductor inlines ``_quantize`` itself (fp8/inductor.py) and fuses both copies.
-    if usage == "both" and recipe == "tensorwise" and x.dim() == 2:
+    if usage == "both" and recipe == "tensorwise" and x.dim() == 2 and offs is None:
         data, scale_inv = recipes.quantize(x, recipe, role)
         return [data, scale_inv, data.t().clone(memory_format=torch.contiguous_format),
                 scale_inv.clone()]
-    return _quantize(x, recipe, role, usage)
+    return _quantize(x, recipe, role, usage, offs)
 
 
 quantize = torch.library.custom_op("graphpass::quantize", _quantize_op, mutates_args=())
@@ -81,6 +179,7 @@ def fp8_gemm(
     out_dtype: torch.dtype,
     bias: Optional[Tensor],
     kernel: str,
+    offs: Optional[Tensor] = None,
 ) -> Tensor:
     """``dequant(a) @ dequant(b).T (+ bias)``: a TN GEMM, both operands K-major. With 3-D
     operands (G, M, K) and (G, N, K), one such GEMM per group: (G, M, N).
@@ -88,9 +187,17 @@ def fp8_gemm(
     ``roles`` is ``"<role of a>,<role of b>"`` (``input,weight`` for fprop, ``grad,weight`` for
     dgrad, ``grad,input`` for wgrad, ``input,grad`` for the wgrad of a weight stored [in, out]);
     ``kernel`` names the provider that runs it.
+
+    With ``offs`` (``torch._grouped_mm``'s group ends over the tokens, see ``_quantize_groups``
+    for the scale layouts): a (T, K) x b (G, N, K) gives (T, N), token group g times b[g]
+    (forward, dgrad); a (M, T) x b (N, T) gives (G, M, N), group g's tokens contracted
+    (wgrad). Rows past ``offs[-1]`` and empty groups' outputs are 0.
     """
     a_role, b_role = roles.split(",")
     a, b = _k_major(a), _k_major(b)
+    if offs is not None:
+        return grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
+                            out_dtype, bias, providers.get(kernel))
     if a.dim() == 3:  # grouped: one GEMM per group (MoE expert), same layouts
         return torch.stack([
             providers.get(kernel).gemm(a[i], a_scale_inv[i], b[i], b_scale_inv[i], recipe, a_role,
@@ -106,8 +213,53 @@ def _k_major(t: Tensor) -> Tensor:
     return t if k_major else t.contiguous()
 
 
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype, bias,
+                 provider) -> Tensor:
+    """``fp8_gemm`` with offsets: the provider's own grouped GEMM where it has one, else one of
+    its GEMMs per group on the group's slices."""
+    if hasattr(provider, "grouped_gemm"):
+        return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
+                                     out_dtype, bias)
+    split_k = b.dim() == 2
+    if bias is not None:
+        raise ValueError("a grouped FP8 GEMM takes no bias")
+    if split_k:
+        out = a.new_zeros((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
+    else:
+        out = a.new_zeros((a.shape[0], b.shape[-2]), dtype=out_dtype)
+    start, col = 0, 0
+    for g, end in enumerate(offs.tolist()):
+        n = end - start
+        if not split_k:
+            if n > 0:
+                sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[start:end]
+                out[start:end] = provider.gemm(a[start:end], sa, b[g], b_scale_inv[g], recipe,
+                                               a_role, b_role, out_dtype, None)
+            start = end
+            continue
+        block = group_blocks(recipe, a_role, True)
+        if n > 0:
+            pad = -n % block if block else 0
+            ag, bg = a[:, start:end], b[:, start:end]
+            if block:  # whole blocks of the group: its scale columns, its data zero-padded
+                blocks = -(-n // block)
+                sa, sb = (s[:, col:col + blocks] for s in (a_scale_inv, b_scale_inv))
+                col += blocks
+                if pad:
+                    ag, bg = (torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
+                              for t in (ag, bg))
+            else:
+                sa, sb = a_scale_inv[g], b_scale_inv[g]
+            out[g] = provider.gemm(ag.contiguous(), sa, bg.contiguous(), sb, recipe, a_role, b_role,
+                                   out_dtype, None)
+        start = end
+    return out
+
+
 @fp8_gemm.register_fake
-def _(a, a_scale_inv, b, b_scale_inv, recipe, roles, out_dtype, bias, kernel):
+def _(a, a_scale_inv, b, b_scale_inv, recipe, roles, out_dtype, bias, kernel, offs=None):
+    if offs is not None and b.dim() == 2:
+        return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
 
 

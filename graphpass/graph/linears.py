@@ -42,6 +42,12 @@ class Linear:
     stored_kn: bool = False
     """The weight is stored (K, N) = [in, out] (GPT-2 ``Conv1D``), so ``w`` is W, not W.T's base
     of shape (N, K)."""
+    offs: fx.Node | None = None
+    """Token-grouped experts (``torch._grouped_mm`` with offsets): the group ends over x's rows.
+    ``x`` is then (tokens, K) and ``w`` (experts, N, K), or (experts, K, N) when ``stored_kn``."""
+    fused_backward: fx.Node | None = None
+    """A library op computing dgrad and wgrad in one node (transformers' grouped_mm fallback
+    backward): ``dgrad`` and ``wgrad`` are then its ``getitem`` outputs."""
 
 
 def _untranspose(node: fx.Node) -> tuple[fx.Node, bool]:
@@ -193,6 +199,97 @@ def find_grouped(joint: fx.GraphModule) -> list[Linear]:
         candidates = [lin for lin in found if lin.w is w and lin.dgrad is None]
         if len(candidates) > 1:
             candidates = [lin for lin in candidates if lin.wgrad is not None and lin.wgrad.args[1] is g]
+        if len(candidates) == 1:
+            candidates[0].dgrad = node
+    return found
+
+
+GROUPED_MM = "aten._grouped_mm"
+FALLBACK = "transformers.grouped_mm_fallback"
+
+
+def _batch_untranspose(node: fx.Node) -> tuple[fx.Node, bool]:
+    """Strip per-group transposes: (base, whether an odd number was stripped)."""
+    flipped = False
+    while node.op == "call_function" and _batch_transposed(node) is not None:
+        node, flipped = _batch_transposed(node), not flipped
+    return node, flipped
+
+
+def find_grouped_offsets(joint: fx.GraphModule) -> list[Linear]:
+    """Token-grouped MoE experts: ``_grouped_mm(x, W, offs)`` with x (T, K) sorted by expert and
+    W a 3-D weight (transformers 5.x, torchtitan), or transformers' ``grouped_mm_fallback`` custom
+    op (the same product, where torch's grouped_mm does not run).
+
+    For W stored (E, N, K) (read through ``permute(W, [0, 2, 1])``) autograd gives dgrad
+    ``_grouped_mm(dY, W, offs)`` and wgrad ``_grouped_mm(dY.T, x, offs)`` (E, N, K); for W stored
+    (E, K, N): dgrad ``_grouped_mm(dY, permute(W), offs)``, wgrad ``_grouped_mm(x.T, dY, offs)``.
+    The fallback's backward op returns (dX, dW) of its (E, K, N) weight operand.
+    """
+    found: list[Linear] = []
+    for node in _calls(joint):
+        name = op_name(node)
+        if is_backward(node) or name not in (GROUPED_MM, FALLBACK):
+            continue
+        args = list(node.args) + [None] * 3
+        x, wop = args[0], args[1]
+        offs = node.kwargs.get("offs", args[2])
+        if name == GROUPED_MM and (node.kwargs.get("bias", args[3]) is not None
+                                   or node.kwargs.get("out_dtype", args[4]) is not None):
+            continue
+        if not isinstance(offs, fx.Node) or x.meta["val"].dim() != 2:
+            continue
+        w, flipped = _batch_untranspose(wop)
+        weight = _uncast(w)
+        if weight.op != "placeholder" or weight.meta["val"].dim() != 3:
+            continue
+        found.append(Linear(module_path(node), weight, w, x, node, stored_kn=not flipped,
+                            offs=offs))
+
+    primals = _compat.primals(joint)
+    outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
+    grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
+    for lin in found:
+        grad = grad_of.get(lin.weight)
+        if not isinstance(grad, fx.Node):
+            continue
+        base, flipped = _batch_untranspose(grad)
+        if op_name(lin.fprop) == FALLBACK:
+            # dW of the (E, K, N) operand, which is W itself when stored (E, K, N)
+            if (op_name(base) == "getitem" and base.args[1] == 1
+                    and op_name(base.args[0]) == "transformers.grouped_mm_fallback_backward"
+                    and flipped != lin.stored_kn):
+                bw = base.args[0]
+                if bw.args[0] is lin.x and bw.args[2] is lin.offs:
+                    outs = {u.args[1]: u for u in bw.users if op_name(u) == "getitem"}
+                    if set(outs) <= {0, 1} and 1 in outs:
+                        lin.fused_backward, lin.wgrad, lin.dgrad = bw, outs[1], outs.get(0)
+            continue
+        if op_name(base) != GROUPED_MM or not is_backward(base) or flipped:
+            continue
+        a, b = base.args[:2]
+        if base.kwargs.get("offs", base.args[2] if len(base.args) > 2 else None) is not lin.offs:
+            continue
+        # (E, N, K): dW = dY.T @ x; (E, K, N): dW = x.T @ dY
+        xt, dy = (a, b) if lin.stored_kn else (b, a)
+        x_base, x_flip = _untranspose(xt)
+        g_base, g_flip = _untranspose(dy)
+        if (x_flip == lin.stored_kn and g_flip != lin.stored_kn and _same_value(x_base, lin.x)):
+            lin.wgrad = base
+    for node in _calls(joint):
+        if not is_backward(node) or op_name(node) != GROUPED_MM:
+            continue
+        g, wop = node.args[:2]
+        offs = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+        if wop.meta["val"].dim() != 3:
+            continue
+        w, flipped = _batch_untranspose(wop)
+        # dX = dY @ W per group: W (E, N, K) as stored, or an (E, K, N) one transposed once
+        candidates = [lin for lin in found if lin.w is w and lin.offs is offs and lin.dgrad is None
+                      and lin.fused_backward is None and flipped == lin.stored_kn]
+        if len(candidates) > 1 and all(c.wgrad is not None for c in candidates):
+            candidates = [c for c in candidates
+                          if _untranspose(c.wgrad.args[1 if c.stored_kn else 0])[0] is g]
         if len(candidates) == 1:
             candidates[0].dgrad = node
     return found

@@ -34,7 +34,7 @@ from ..fp8 import providers, recipes
 from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
 from ..graph.flops import node_flops
-from ..graph.linears import Linear, find_grouped, find_linears
+from ..graph.linears import Linear, find_grouped, find_grouped_offsets, find_linears
 from ..graph.nodes import op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,7 +44,7 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
     quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]] = {}
-    for lin in find_linears(joint) + find_grouped(joint):
+    for lin in find_linears(joint) + find_grouped(joint) + find_grouped_offsets(joint):
         reason = why_not_lowered(lin, config)
         if reason:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)
@@ -85,13 +85,16 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     *_, m, k = x.shape
     n = w.shape[-1] if lin.stored_kn else w.shape[-2]
     multiple = recipes.requires_divisibility(config.fp8)
-    # wgrad contracts over M (tokens), so M needs the same alignment as K and N.
-    for dim, size in (("K", k), ("N", n), ("M", m)):
+    # wgrad contracts over M (tokens), so M needs the same alignment as K and N; token groups
+    # (offsets) are quantized per group, padded where a block would span two (fp8/ops.py).
+    dims = (("K", k), ("N", n)) if lin.offs is not None else (("K", k), ("N", n), ("M", m))
+    for dim, size in dims:
         if not isinstance(size, int):
             return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
         if size % multiple:
             return f"{dim}={size} not a multiple of {multiple}"
-    flops = node_flops(lin.fprop)  # torch's formula: 2*M*N*K, per group for experts
+    # torch's formula: 2*M*N*K, per group for experts; over token groups 2*T*N*K
+    flops = 2 * m * n * k if lin.offs is not None else node_flops(lin.fprop)
     if flops < config.fp8_min_gemm_flops:
         return f"GEMM of {flops:,} FLOPs is below fp8_min_gemm_flops={config.fp8_min_gemm_flops:,}"
     return None
@@ -101,12 +104,14 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
              quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]]) -> None:
     graph = joint.graph
 
-    def quantize(x: fx.Node, role: str, columnwise: bool, before: fx.Node, backward: bool):
-        key = (_canonical(x), role, columnwise)
+    def quantize(x: fx.Node, role: str, columnwise: bool, before: fx.Node, backward: bool,
+                 offs: fx.Node | None = None):
+        key = (_canonical(x), role, columnwise, offs)
         if key not in quantized:
             usage = "columnwise" if columnwise else "rowwise"
+            args = (x, recipe, role, usage) if offs is None else (x, recipe, role, usage, offs)
             with graph.inserting_before(before):
-                q = _call(graph, QUANTIZE, (x, recipe, role, usage), before, backward)
+                q = _call(graph, QUANTIZE, args, before, backward)
                 data = _call(graph, operator.getitem, (q, 0), before, backward)
                 scale = _call(graph, operator.getitem, (q, 1), before, backward)
             for node in (q, data, scale):
@@ -115,13 +120,18 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
             quantized[key] = (data, scale)
         return quantized[key]
 
-    def gemm(old: fx.Node, a, b, roles: str, bias: fx.Node | None, backward: bool) -> None:
-        with graph.inserting_before(old):
-            new = _call(graph, FP8_GEMM, (*a, *b, recipe, roles, old.meta["val"].dtype, bias,
-                                              kernel), old, backward)
+    def gemm(old: fx.Node, a, b, roles: str, bias: fx.Node | None, backward: bool,
+             offs: fx.Node | None = None, before: fx.Node | None = None) -> None:
+        args = (*a, *b, recipe, roles, old.meta["val"].dtype, bias, kernel)
+        before = before or old
+        with graph.inserting_before(before):
+            new = _call(graph, FP8_GEMM, args if offs is None else (*args, offs), before, backward)
         old.replace_all_uses_with(new)
         graph.erase_node(old)
 
+    if lin.offs is not None:
+        _rewrite_token_groups(lin, quantize, gemm)
+        return
     fprop = lin.fprop
     # The GEMMs want W as (N, K) for fprop and (K, N) for dgrad, both K-major. A weight stored
     # [in, out] (K, N) is the transpose of nn.Linear's: its rowwise copy is what dgrad reads and
@@ -145,6 +155,41 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
     elif lin.wgrad is not None:  # dW = X.T @ dY, (K, N) like the stored weight
         qgt = quantize(lin.wgrad.args[1], "grad", True, lin.wgrad, backward=True)
         gemm(lin.wgrad, qxt, qgt, "input,grad", None, backward=True)
+
+
+def _rewrite_token_groups(lin: Linear, quantize: Callable[..., Any], gemm: Callable[..., Any]) -> None:
+    """``_rewrite`` for experts over token groups (``Linear.offs``): the tokens' quantizes and the
+    GEMMs take the offsets; the weights are quantized per expert, as for ``bmm`` experts."""
+    offs, kn, fprop = lin.offs, lin.stored_kn, lin.fprop
+    qx = quantize(lin.x, "input", False, fprop, False, offs)
+    qw = quantize(lin.w, "weight", kn, fprop, False)
+    if lin.wgrad is not None:
+        qxt = quantize(lin.x, "input", True, fprop, False, offs)
+    if lin.dgrad is not None:
+        qwt = quantize(lin.w, "weight", not kn, fprop, False)
+    gemm(fprop, qx, qw, "input,weight", None, False, offs)
+    bw = lin.fused_backward
+    if bw is not None:  # transformers' fallback backward: (x, W (E, K, N), offs, dY) -> (dX, dW)
+        grad = bw.args[3]
+        if lin.dgrad is not None:
+            qg = quantize(grad, "grad", False, bw, True, offs)
+            gemm(lin.dgrad, qg, qwt, "grad,weight", None, True, offs, before=bw)
+        qgt = quantize(grad, "grad", True, bw, True, offs)
+        gemm(lin.wgrad, qxt, qgt, "input,grad", None, True, offs, before=bw)
+        if not bw.users:
+            bw.graph.erase_node(bw)
+        return
+    if lin.dgrad is not None:
+        qg = quantize(lin.dgrad.args[0], "grad", False, lin.dgrad, True, offs)
+        gemm(lin.dgrad, qg, qwt, "grad,weight", None, True, offs)
+    if lin.wgrad is not None:
+        # (E, N, K): dW = dY.T @ x, (E, K, N): dW = x.T @ dY; both read dY columnwise
+        grad = lin.wgrad.args[1] if kn else lin.wgrad.args[0].args[0]
+        qgt = quantize(grad, "grad", True, lin.wgrad, True, offs)
+        if kn:
+            gemm(lin.wgrad, qxt, qgt, "input,grad", None, True, offs)
+        else:
+            gemm(lin.wgrad, qgt, qxt, "grad,input", None, True, offs)
 
 
 def _canonical(x: fx.Node) -> Any:

@@ -40,32 +40,37 @@ def save_original(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     for node in joint.graph.nodes:
         if op_name(node) != "graphpass.quantize" or is_backward(node):
             continue
-        x, _, role, usage = node.args
+        x, _, role, usage = node.args[:4]
         if role != "input":
             continue
         if usage == "rowwise":
-            rowwise[(x, role)] = node
+            rowwise[(x, role, _offs(node))] = node
         elif usage == "columnwise":
             columnwise.append(node)
     for col in columnwise:
-        x, recipe, role, _ = col.args
+        x, recipe, role, _ = col.args[:4]
         policy = config.save_original
         if any(fnmatch.fnmatchcase(module_path(col), p) for p in config.save_original_modules):
             policy = "always"
         if policy == "always":
             for node in (col, *col.users):
                 _compat.set_partition_side(node, "must_be_in_backward")
-        elif policy == "never" and (x, role) in rowwise:
-            _merge(joint.graph, rowwise[(x, role)], col)
+        elif policy == "never" and (x, role, _offs(col)) in rowwise:
+            _merge(joint.graph, rowwise[(x, role, _offs(col))], col)
     joint.graph.lint()
     joint.recompile()
 
 
+def _offs(quantize: fx.Node) -> fx.Node | None:
+    """A grouped quantize's offsets (experts over token groups), else None."""
+    return quantize.args[4] if len(quantize.args) > 4 else None
+
+
 def _merge(graph: fx.Graph, row: fx.Node, col: fx.Node) -> None:
     """One ``usage="both"`` quantize in place of a rowwise and a columnwise one."""
-    x, recipe, role, _ = row.args
+    x, recipe, role, _ = row.args[:4]
     with graph.inserting_before(row):
-        both = graph.call_function(QUANTIZE, (x, recipe, role, "both"))
+        both = graph.call_function(QUANTIZE, (x, recipe, role, "both", *row.args[4:]))
         both.meta = {**row.meta, "val": [*row.meta["val"], *col.meta["val"]]}
         # saved in the forward, unless the user's checkpoint region recomputes it
         if not _compat.in_user_checkpoint(row):
