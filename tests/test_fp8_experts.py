@@ -114,3 +114,164 @@ def test_memory_passes_on_fp8_experts_are_bit_identical(recipe):
             assert "save original: layers.0.mlp.experts re-quantizes its saved input in the backward" in report.notes
         if "moe_act" in policy.get("recompute", ()):
             assert "recomputed: moe_act in backward: layers.0.mlp.experts" in report.notes
+
+
+# --- experts over token groups: torch._grouped_mm / F.grouped_mm with offsets (transformers 5.x,
+# torchtitan). x (T, K) is sorted by expert; group g is rows offs[g-1]:offs[g].
+
+T = 512
+# an empty group, groups that are not multiples of 128 (nor of 32), and tokens past offs[-1]
+OFFSETS = {"aligned": [128, 256, 384, 512], "ragged": [0, 100, 333, 500]}
+GROUPED_MM = {"_grouped_mm": torch._grouped_mm}
+if hasattr(torch.nn.functional, "grouped_mm"):
+    GROUPED_MM["F.grouped_mm"] = torch.nn.functional.grouped_mm
+
+
+class TokenGroupedExperts(nn.Module):
+    """One GEMM per expert over its token group. ``stored_kn``: W is (E, K, N) and read as
+    stored (``_grouped_mm(x, W)``); else (E, N, K), nn.Linear's layout, read transposed
+    (transformers' Mixtral experts)."""
+
+    def __init__(self, stored_kn, fn=torch._grouped_mm):
+        super().__init__()
+        self.stored_kn, self.fn = stored_kn, fn
+        shape = (E, K, N) if stored_kn else (E, N, K)
+        # bfloat16: torch's grouped_mm takes no other dtype on CPU
+        self.weight = nn.Parameter((torch.randn(*shape) * 0.05).to(torch.bfloat16))
+
+    def forward(self, x, offs):
+        w = self.weight if self.stored_kn else self.weight.transpose(-2, -1)
+        return self.fn(x, w, offs=offs)
+
+
+def _dq(t, recipe, role, columnwise=False):
+    """quantize then dequantize to float32, as the reference GEMM sees its operands."""
+    data, scale = recipes.quantize(t, recipe, role, columnwise=columnwise)
+    return recipes.dequantize(data, scale, recipe, role, columnwise=columnwise)
+
+
+def _qdq_group(t, recipe, role, columnwise=False):
+    """A token group's qdq, quantized on its own (mxfp8: zero-padded to whole 32-row blocks,
+    which is what quantizing it alone means columnwise, and changes no row rowwise)."""
+    n = t.shape[0]
+    if recipe == "mxfp8" and n % 32:
+        t = torch.nn.functional.pad(t, (0, 0, 0, -n % 32))
+    return _dq(t, recipe, role, columnwise)[:n]
+
+
+def _emulated_groups(x, w_kn, grad_y, offs, recipe):
+    """Per group, the three GEMMs from the recipe's qdq by hand, with the weight as (E, K, N):
+    y_g = x_g @ W_g, dx_g = dY_g @ W_g.T, dW_g = x_g.T @ dY_g. Rows past offs[-1] are 0, as
+    is an empty group's dW."""
+    bf16 = torch.bfloat16
+    y, dx = torch.zeros(T, N, dtype=bf16), torch.zeros(T, K, dtype=bf16)
+    dw = torch.zeros(E, K, N, dtype=bf16)
+    start = 0
+    for g, end in enumerate(offs):
+        if end > start:
+            xg, gg = x[start:end], grad_y[start:end]
+            # the weight's qdq is per expert and per usage, as in _emulated
+            y[start:end] = _qdq_group(xg, recipe, "input") @ _dq(w_kn[g], recipe, "weight", True)
+            dx[start:end] = _qdq_group(gg, recipe, "grad") @ _dq(w_kn[g], recipe, "weight").t()
+            dw[g] = _qdq_group(xg, recipe, "input", True).t() @ _qdq_group(gg, recipe, "grad", True)
+        start = end
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("fn", GROUPED_MM)
+@pytest.mark.parametrize("offsets", OFFSETS)
+@pytest.mark.parametrize("stored_kn", [True, False], ids=["EKN", "ENK"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_token_grouped_experts_are_exactly_the_recipe(recipe, stored_kn, offsets, fn):
+    torch.manual_seed(0)
+    experts = TokenGroupedExperts(stored_kn, GROUPED_MM[fn])
+    offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32)
+    x, grad_y = torch.randn(T, K, dtype=torch.bfloat16), torch.randn(T, N, dtype=torch.bfloat16)
+    compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", fp8=recipe,
+                                                                 kernels="reference"))
+    xx = x.clone().requires_grad_()
+    y = compiled(xx, offs)
+    y.backward(grad_y)
+    w = experts.weight.detach()
+    w_kn = w if stored_kn else w.transpose(-2, -1)
+    ref_y, ref_dx, ref_dw = _emulated_groups(x, w_kn, grad_y, OFFSETS[offsets], recipe)
+    # the weight's columnwise qdq (ENK) is the transpose of the rowwise qdq of W.T (EKN)
+    assert torch.equal(y, ref_y)
+    assert torch.equal(xx.grad, ref_dx)
+    assert torch.equal(experts.weight.grad, ref_dw if stored_kn else ref_dw.transpose(-2, -1))
+    report = graphpass.last_report()
+    assert [n for n in report.notes if "lowered" in n] == [f"lowered: <root> (reference/{recipe})"]
+    flops = 2 * T * K * N
+    assert report.meta["fp8_coverage"]["fp8_flops"] == {"forward": flops, "dgrad": flops,
+                                                        "wgrad": flops}
+    assert report.meta["fp8_coverage"]["fp8_share"] == 1.0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_quantize_scales_per_group(recipe):
+    """Tensorwise: one scale per token group (TE GroupedLinear); columnwise blocks restart at
+    each group and pad its last block: the scale columns are the groups' own, in order."""
+    torch.manual_seed(0)
+    x = torch.randn(T, K)
+    x[100:333] *= 1000
+    offs = torch.tensor(OFFSETS["ragged"], dtype=torch.int32)
+    data, scale = torch.ops.graphpass.quantize(x, recipe, "input", "columnwise", offs)
+    assert data.shape == (K, T)
+    assert torch.equal(data[:, 500:].view(torch.uint8), torch.zeros(K, 12, dtype=torch.uint8))
+    cols, start = [], 0
+    for g, end in enumerate(OFFSETS["ragged"]):
+        if end == start:
+            if recipe == "tensorwise":
+                assert scale[g] == 1.0
+            continue
+        xg = torch.nn.functional.pad(x[start:end], (0, 0, 0, -(end - start) % 32)) if recipe == "mxfp8" else x[start:end]
+        ref_data, ref_scale = recipes.quantize(xg, recipe, "input", columnwise=True)
+        assert torch.equal(data[:, start:end].view(torch.uint8), ref_data[:, :end - start].view(torch.uint8))
+        if recipe == "tensorwise":
+            assert torch.equal(scale[g], ref_scale)
+        else:
+            cols.append(ref_scale)
+        start = end
+    if recipe != "tensorwise":
+        block = 128 if recipe == "blockwise" else 32
+        used = torch.cat(cols, dim=1)
+        assert scale.shape == (K, -(-T // block) + E)
+        assert torch.equal(scale[:, :used.shape[1]], used)
+        one = 127 if recipe == "mxfp8" else 1.0
+        assert (scale[:, used.shape[1]:] == one).all()
+    # under fake tensors: the same shapes and dtypes, no values read
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = torch.ops.graphpass.quantize(mode.from_tensor(x), recipe, "input", "columnwise",
+                                            mode.from_tensor(offs))
+    assert [(f.shape, f.dtype) for f in fake] == [(data.shape, data.dtype), (scale.shape, scale.dtype)]
+
+
+def test_token_grouped_experts_plan_at_real_size():
+    """DeepSeek-V3 expert shapes, 8k routed tokens, under fake tensors."""
+    e, t, k, n = 16, 8192, 7168, 2048
+    with torch.device("meta"):
+        experts = TokenGroupedExperts.__new__(TokenGroupedExperts)
+        nn.Module.__init__(experts)
+        experts.stored_kn, experts.fn = False, torch._grouped_mm
+        experts.weight = nn.Parameter(torch.empty(e, n, k, dtype=torch.bfloat16))
+        x = torch.empty(t, k, dtype=torch.bfloat16, requires_grad=True)
+        offs = torch.empty(e, dtype=torch.int32)
+    report = graphpass.plan(experts, x, offs, config=graphpass.Config(fp8="blockwise"))
+    flops = 2 * t * k * n
+    assert report.meta["fp8_coverage"]["fp8_flops"] == {"forward": flops, "dgrad": flops,
+                                                        "wgrad": flops}
+    # the backward keeps x's columnwise copy (K, T) and its per-group-padded 1x128 scales
+    fp8 = sorted((r.shape, r.bytes) for r in report.rows if r.kind in ("fp8_data", "fp8_scale"))
+    assert fp8 == [((k, t // 128 + e), k * (t // 128 + e) * 4), ((k, t), k * t)]
+
+
+def test_misaligned_token_grouped_experts_are_noted():
+    experts = TokenGroupedExperts(False)
+    experts.weight = nn.Parameter(torch.randn(E, 96, K, dtype=torch.bfloat16))
+    x = torch.randn(T, K, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor(OFFSETS["aligned"], dtype=torch.int32)
+    report = graphpass.plan(experts, x, offs, config=graphpass.Config(fp8="blockwise"))
+    reason = "N=96 not a multiple of 128"
+    assert [n for n in report.notes if "lowered" in n] == [f"not lowered: <root>: {reason}"]
+    assert report.meta["fp8_coverage"]["high_precision_flops"] == {reason: 3 * 2 * T * K * 96}

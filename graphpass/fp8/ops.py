@@ -79,15 +79,19 @@ def _quantize_groups(x: Tensor, recipe: str, role: str, columnwise: bool,
       blocks are the columns from ``sum(ceil(n_h / B) for h < g)`` on; unused columns hold scale
       1 (blockwise) or the E8M0 byte 127 (mxfp8, also 1).
 
-    Rows at or past ``offs[-1]`` belong to no group: their data is 0.
+    Rows at or past ``offs[-1]`` belong to no group: the GEMMs never read them (where a group
+    decides the scale their data is 0).
     """
     if x.dim() != 2:
         raise ValueError(f"a grouped quantize takes a 2-D (tokens, K) tensor, got {tuple(x.shape)}")
     t, k = x.shape
     dtype = recipes.fp8_dtype(recipe, role)
     block = group_blocks(recipe, role, columnwise)
-    if block is None:
-        return recipes.quantize(x, recipe, role, columnwise=columnwise)
+    if block is None:  # rows are independent; mxfp8 quantizes whole 32-row blocks: pad, cut
+        pad = -t % recipes.requires_divisibility(recipe) if recipe == "mxfp8" else 0
+        data, scale = recipes.quantize(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x,
+                                       recipe, role, columnwise=columnwise)
+        return [data[:t], scale[:t]]
     data = torch.zeros((k, t) if columnwise else (t, k), dtype=dtype, device=x.device)
     groups = offs.shape[0]
     if block == 0:
@@ -121,9 +125,11 @@ def _quantize_groups(x: Tensor, recipe: str, role: str, columnwise: bool,
 def _quantize_groups_fake(x: Tensor, recipe: str, role: str, columnwise: bool,
                           offs: Tensor) -> list[Tensor]:
     block = group_blocks(recipe, role, columnwise)
-    if block is None:
-        return recipes.quantize(x, recipe, role, columnwise=columnwise)
     t, k = x.shape
+    if block is None:
+        return [x.new_empty((t, k), dtype=recipes.fp8_dtype(recipe, role)),
+                x.new_empty((t, -(-k // recipes.block_shape(recipe, role)[1])),
+                            dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)]
     data = x.new_empty((k, t) if columnwise else (t, k), dtype=recipes.fp8_dtype(recipe, role))
     if block == 0:
         return [data, x.new_empty((offs.shape[0],), dtype=torch.float32)]
