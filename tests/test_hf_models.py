@@ -75,13 +75,8 @@ def _not_lowered(report):
     return sorted({n.split(": ")[1] for n in report.notes if n.startswith("not lowered: ")})
 
 
-_EXPERTS_NOT_LOWERED = pytest.mark.xfail(strict=True, reason=(
-    "issue 11 step 3: grouped expert GEMMs are not lowered yet; they are noted and counted as "
-    "high precision"))
-
-
-@pytest.mark.parametrize("name", ["llama", "gpt2", pytest.param("mixtral", marks=_EXPERTS_NOT_LOWERED),
-                                  pytest.param("mixtral-bf16", marks=_EXPERTS_NOT_LOWERED)])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral",
+                                  "mixtral-bf16"])
 def test_coverage_without_excludes(name, monkeypatch):
     torch.manual_seed(0)
     model = MODELS[name]()
@@ -102,14 +97,14 @@ def test_default_excludes_leave_only_lm_head_and_routers(name, monkeypatch):
     expected = {"lm_head"}
     if name.startswith("mixtral"):
         expected |= {f"model.layers.{i}.mlp.gate" for i in range(2)}
-        expected |= {f"model.layers.{i}.mlp.experts" for i in range(2)}  # issue 11 step 3
     assert {m.removeprefix("G.model.") for m in _not_lowered(report)} == expected, report.notes
     for note in report.notes:
-        if note.startswith("not lowered: ") and not note.split(": ")[1].endswith("experts"):
+        if note.startswith("not lowered: "):
             assert "excluded by pattern" in note, note
-        if note.startswith("not lowered: ") and note.split(": ")[1].endswith("experts"):
-            op = "transformers::grouped_mm_fallback, a custom op" if name == "mixtral" else "torch._grouped_mm"
-            assert note.endswith(f"grouped GEMM ({op}) is not lowered to FP8"), note
+    if name.startswith("mixtral"):  # the experts: torch._grouped_mm (bf16), the fallback (fp32)
+        assert [n.replace(": G.", ": ") for n in report.notes
+                if n.startswith("lowered: ") and "experts" in n] == [
+            f"lowered: model.layers.{i}.mlp.experts (reference/tensorwise)" for i in range(2)]
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
@@ -122,10 +117,14 @@ def test_loss_and_gradients_close_to_eager(name, monkeypatch):
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < LOSS_BOUND
     rel = {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items() if g.norm() > 0}
     assert set(grads) == set(ref_grads)
-    assert max(rel.values()) < GRAD_BOUND, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
+    assert max(rel.values()) < GRAD_BOUND.get(name, GRAD_BOUND["default"]), sorted(rel.items(), key=lambda kv: -kv[1])[:3]
 
 
 # Measured (tensorwise, 2 layers, seed 0): loss within 5e-4 relative, every parameter's gradient
 # within 0.17 (Frobenius, relative; q/k projections worst: E5M2 gradients, compounded over two
 # layers and through attention). Bounds: 10x and 1.5x those.
-LOSS_BOUND, GRAD_BOUND = 0.005, 0.25
+# Mixtral with its experts in FP8 too: loss within 5.5e-4, worst gradient the layer-1 router's at
+# 0.267 (the experts' FP8 noise and the attention's, compounded: 0.149 with only the experts in
+# FP8, 0.161 with all but the experts; the experts' own weights 0.18). Bound: 1.5x.
+LOSS_BOUND = 0.005
+GRAD_BOUND = {"default": 0.25, "mixtral": 0.4}
