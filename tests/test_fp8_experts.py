@@ -275,3 +275,70 @@ def test_misaligned_token_grouped_experts_are_noted():
     reason = "N=96 not a multiple of 128"
     assert [n for n in report.notes if "lowered" in n] == [f"not lowered: <root>: {reason}"]
     assert report.meta["fp8_coverage"]["high_precision_flops"] == {reason: 3 * 2 * T * K * 96}
+
+
+class _GroupedSwiGLU(nn.Module):
+    def __init__(self, hidden, inter, experts):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.05)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter) * 0.05)
+
+    def forward(self, routed, offs):
+        gate, up = torch._grouped_mm(routed, self.gate_up_proj.transpose(-2, -1),
+                                     offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(nn.functional.silu(gate) * up, self.down_proj.transpose(-2, -1),
+                                 offs=offs)
+
+
+class TokenRoutedMoE(nn.Module):
+    """A Mixtral-style routed MoE layer over token groups, as transformers 5.x writes it: top-2
+    routing, tokens sorted by expert, ``_grouped_mm`` with offsets for gate/up and down."""
+
+    def __init__(self, hidden=256, inter=256, experts=E, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = _GroupedSwiGLU(hidden, inter, experts)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        x = x.reshape(-1, h)
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        ids_sorted, perm = torch.sort(ids.reshape(-1))
+        routed = x[perm // self.top_k]
+        counts = torch.histc(ids_sorted.float(), bins=self.experts.gate_up_proj.shape[0], min=0,
+                             max=self.experts.gate_up_proj.shape[0] - 1)
+        out = self.experts(routed, torch.cumsum(counts, 0, dtype=torch.int32))
+        out = out * weights.reshape(-1)[perm, None]
+        y = torch.zeros_like(x).index_add(0, perm // self.top_k, out)
+        return y.reshape(b, s, h)
+
+
+class _TokenRoutedExample:
+    @staticmethod
+    def build(size, seq=64, layers=1):
+        torch.manual_seed(0)
+        model = nn.Sequential()
+        model.add_module("mlp", TokenRoutedMoE())  # recompute's words find "<parent>.experts"
+        return model.to(torch.bfloat16), [torch.randn(2, seq, 256, dtype=torch.bfloat16)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
+    """The memory policies on a routed MoE layer whose experts are _grouped_mm over token groups
+    (ragged, data-dependent groups): gradients bit-identical to TE-style FP8 with torch's
+    min-cut, per recipe."""
+    from test_memory_passes import POLICIES, UNOPTIMISED, _compiled_grads
+
+    module = _TokenRoutedExample
+    base, report = _compiled_grads(module, dict(fp8=recipe, **UNOPTIMISED))
+    router = 3 * 2 * 128 * 256 * E  # the router stays high precision (default fp8_exclude)
+    assert report.meta["fp8_coverage"]["high_precision_flops"] == {"excluded by pattern '*.router'": router}
+    assert f"lowered: mlp.experts (reference/{recipe})" in report.notes
+    for policy in [*POLICIES, dict(offload=True, offload_min_bytes=0)]:
+        grads, report = _compiled_grads(module, dict(fp8=recipe, **policy))
+        assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
+        if policy.get("save_original") == "always":
+            assert "save original: mlp.experts re-quantizes its saved input in the backward" in report.notes
+        if "moe_act" in policy.get("recompute", ()):
+            assert "recomputed: moe_act in backward: mlp.experts" in report.notes, report.notes

@@ -30,6 +30,8 @@ ELEMENTWISE = frozenset({
     "aten.mul", "aten.add", "aten.sub", "aten.div", "aten.neg", "aten.pow", "aten.where",
     "aten.clamp_min", "aten.le", "aten.gt", "aten.view", "aten.reshape", "aten._unsafe_view",
     "aten.permute", "aten.clone", "prims.convert_element_type", "aten._to_copy", "getitem",
+    # a fused gate/up GEMM's output split in two (transformers' experts: chunk(2))
+    "aten.split", "aten.split_with_sizes",
 })
 # The GEMMs of linear layers: where an activation chain ends, and what the planner never
 # recomputes.
