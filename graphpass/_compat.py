@@ -535,6 +535,22 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
 
+def has_scaled_grouped_mm() -> bool:
+    """Whether this torch has ``torch._scaled_grouped_mm`` (2.11.0, 2.13.0 and 2.14.1 all do, with
+    one schema: ``(self, mat2, scale_a, scale_b, offs=None, bias=None, scale_result=None,
+    out_dtype=None, use_fast_accum=False)``; CUDA kernels only, E4M3 operands, fp32 rowwise
+    scales)."""
+    return hasattr(torch, "_scaled_grouped_mm")
+
+
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, offs: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """torch's grouped FP8 GEMM (``torch._scaled_grouped_mm``): a (T, K) row-major, b (G, K, N)
+    column-major, scale_a (T,), scale_b (G, N), token groups ending at ``offs``."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+
+
 def in_user_checkpoint(node: fx.Node) -> bool:
     """Inside the user's own checkpoint region (``torch.utils.checkpoint``, a selective-checkpoint
     policy): torch marks its nodes with ``meta["ac_graph_id"]`` beside their ``recompute`` tag."""

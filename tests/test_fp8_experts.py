@@ -342,3 +342,66 @@ def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
             assert "save original: mlp.experts re-quantizes its saved input in the backward" in report.notes
         if "moe_act" in policy.get("recompute", ()):
             assert "recomputed: moe_act in backward: mlp.experts" in report.notes, report.notes
+
+
+# --- providers for token groups: torch._scaled_grouped_mm on CUDA --------------------------------
+
+def test_scaled_grouped_forward_dispatch_under_fake_tensors():
+    """The arguments graphpass gives torch._scaled_grouped_mm pass torch's own checks (its meta
+    function mirrors the CUDA kernel's: E4M3 operands, a row-major, b column-major, fp32 scales
+    (T,) and (G, N)), on every torch version, without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphpass import _compat
+    from graphpass.fp8 import providers
+
+    assert _compat.has_scaled_grouped_mm()  # 2.11.0, 2.13.0, 2.14.1
+    offs = torch.tensor(OFFSETS["ragged"], dtype=torch.int32)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        a = torch.empty(T, K, dtype=recipes.E4M3)
+        b = torch.empty(E, N, K, dtype=recipes.E4M3)
+        out = providers.scaled_grouped_forward(a, torch.empty(E), b, torch.empty(E),
+                                               mode.from_tensor(offs), torch.bfloat16)
+        assert (out.shape, out.dtype) == ((T, N), torch.bfloat16)
+        with pytest.raises(RuntimeError, match="E4M3"):  # E5M2 gradients take the per-group path
+            providers.scaled_grouped_forward(a.to(recipes.E5M2), torch.empty(E), b, torch.empty(E),
+                                             mode.from_tensor(offs), torch.bfloat16)
+
+
+def _compiled_token_groups(recipe, kernels, device, offsets="ragged"):
+    torch.manual_seed(0)
+    experts = TokenGroupedExperts(False).to(device)
+    offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32, device=device)
+    x = torch.randn(T, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    grad_y = torch.randn(T, N, dtype=torch.bfloat16, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", fp8=recipe,
+                                                                 kernels=kernels))
+    y = compiled(x, offs)
+    y.backward(grad_y)
+    return y.detach(), x.grad, experts.weight.grad
+
+
+def test_scaled_mm_provider_runs_token_groups_per_group_on_cpu():
+    """On the CPU, kernels='scaled_mm' runs a token group's GEMMs as torch._scaled_mm (its CPU
+    emulation), one per group: the reference's numbers, up to _scaled_mm's bf16 rounding."""
+    ref = _compiled_token_groups("tensorwise", "reference", "cpu")
+    got = _compiled_token_groups("tensorwise", "scaled_mm", "cpu")
+    assert "lowered: <root> (scaled_mm/tensorwise)" in graphpass.last_report().notes
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offsets", OFFSETS)
+def test_scaled_grouped_mm_matches_the_reference_on_cuda(offsets):
+    """CUDA: the forward as one torch._scaled_grouped_mm, dgrad/wgrad per group (_scaled_mm),
+    against the reference provider on the same device: same quantized operands, fp32
+    accumulation in another order, so close, not equal."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._scaled_grouped_mm needs sm90+")
+    ref = _compiled_token_groups("tensorwise", "reference", "cuda", offsets)
+    got = _compiled_token_groups("tensorwise", "scaled_mm", "cuda", offsets)
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)

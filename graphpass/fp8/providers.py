@@ -77,6 +77,45 @@ class ScaledMM:
         return out
 
 
+    def grouped_gemm(self, a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype,
+                     bias):
+        """Token-grouped GEMM (``fp8_gemm`` with offsets). The forward (a (T, K) x b (G, N, K),
+        both E4M3) is one ``torch._scaled_grouped_mm`` on CUDA; anything else is one
+        ``_scaled_mm`` per group: the grouped kernel takes E4M3 operands only (tensorwise's E5M2
+        gradients), and the wgrad's groups split the contraction dimension, which it needs
+        aligned to 16 tokens."""
+        from .ops import grouped_gemm  # the per-group loop
+
+        if (a.device.type == "cuda" and b.dim() == 3 and bias is None
+                and a.dtype == b.dtype == recipes.E4M3 and _compat.has_scaled_grouped_mm()):
+            return scaled_grouped_forward(a, a_scale_inv, b, b_scale_inv, offs, out_dtype)
+        return grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
+                            out_dtype, bias, _PerGroup(self))
+
+
+class _PerGroup:
+    """A provider seen without its grouped GEMM: ``ops.grouped_gemm`` loops over its ``gemm``."""
+
+    def __init__(self, provider: Provider) -> None:
+        self.gemm = provider.gemm
+
+
+def scaled_grouped_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+                           offs: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``torch._scaled_grouped_mm`` for a tensorwise grouped forward: a (T, K) with one scale per
+    token group, b (G, N, K) with one per expert. The kernel scales rows of a and columns of b,
+    so each group's scale is given to each of its rows and each expert's to each of its columns
+    (the same products); rows past ``offs[-1]``, which the kernel leaves unwritten, are 0."""
+    t, groups, n = a.shape[0], b.shape[0], b.shape[1]
+    rows = torch.arange(t, device=a.device, dtype=offs.dtype)
+    group = torch.searchsorted(offs, rows, right=True)
+    scale_a = a_scale_inv.float()[group.clamp(max=groups - 1)].contiguous()
+    scale_b = b_scale_inv.float().reshape(groups, 1).expand(groups, n).contiguous()
+    out = _compat.scaled_grouped_mm(a, b.transpose(-2, -1), scale_a=scale_a, scale_b=scale_b,
+                                    offs=offs, out_dtype=out_dtype)
+    return torch.where((group < groups)[:, None], out, out.new_zeros(()))
+
+
 @functools.lru_cache(maxsize=None)
 def get(name: str) -> Provider:
     if name == "reference":
