@@ -3,6 +3,7 @@ against FP8 per recipe and kernel provider.
 
     python benchmarks/step_time.py                       # every model, recipe and provider
     python benchmarks/step_time.py --models llama --recipes tensorwise --kernels scaled_mm te
+    python benchmarks/step_time.py --models experts    # token-grouped expert GEMMs alone
 
 On CUDA it runs the real-size layer in bf16 under Inductor and reports the median of CUDA-event
 timings and the peak memory allocated. Without CUDA it runs the tiny size on CPU with
@@ -51,7 +52,8 @@ def run_config(model_name: str, label: str, options: dict[str, object] | None, s
 
     # A fresh model per config: the peak then counts this config's weights, grads and step only.
     torch._dynamo.reset()
-    build = importlib.import_module(f"examples.{model_name}").build
+    build = importlib.import_module(
+        "_experts" if model_name == "experts" else f"examples.{model_name}").build
     model, inputs = build(size, layers=layers, device=device, dtype=torch.bfloat16)
     if options and options.get("torchao"):
         try:
@@ -66,8 +68,10 @@ def run_config(model_name: str, label: str, options: dict[str, object] | None, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["llama", "deepseek"],
-                        choices=["llama", "deepseek"])
+    # experts: 16 routed experts of DeepSeek-V3's shapes over 8k tokens, torch._grouped_mm with
+    # offsets (benchmarks/_experts.py)
+    parser.add_argument("--models", nargs="+", default=["llama", "deepseek", "experts"],
+                        choices=["llama", "deepseek", "experts"])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
     # te is tried by default only where it imports; naming it explicitly reports why it cannot run.
     parser.add_argument("--kernels", nargs="+", choices=KERNELS,
