@@ -57,12 +57,14 @@ SIZES: dict[str, DeepSeekConfig] = {
         # Tight enough that the tiny model really drops overflowing assignments.
         capacity_factor=1.0,
     ),
-    # The tiny layer as a language model (tests/test_fp8_training.py): 256 tokens.
+    # The tiny layer as a language model (tests/test_fp8_training.py), 256 tokens. At
+    # batch 2 x seq 128 each expert has 128 slots, which every recipe's FP8 GEMMs take
+    # (blockwise needs 128).
     "tiny_lm": DeepSeekConfig(
         hidden=256, heads=4, q_lora_rank=128, kv_lora_rank=128,
         qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
         moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
-        n_shared_experts=1, layers=2, batch=2, seq=32, capacity_factor=1.0, vocab_size=256,
+        n_shared_experts=1, layers=2, batch=2, seq=128, capacity_factor=1.0, vocab_size=256,
     ),
     # One MoE layer of DeepSeek-V3 (671B).
     "real": DeepSeekConfig(
