@@ -202,8 +202,8 @@ def fp8_gemm(
     a_role, b_role = roles.split(",")
     a, b = _k_major(a), _k_major(b)
     if offs is not None:
-        return grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
-                            out_dtype, bias, providers.get(kernel))
+        return providers.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role,
+                                      b_role, out_dtype, bias, providers.get(kernel))
     if a.dim() == 3:  # grouped: one GEMM per group (MoE expert), same layouts
         return torch.stack([
             providers.get(kernel).gemm(a[i], a_scale_inv[i], b[i], b_scale_inv[i], recipe, a_role,
@@ -217,49 +217,6 @@ def _k_major(t: Tensor) -> Tensor:
     """``t`` with its last dimension contiguous, copied only where it is not."""
     k_major = t.stride(-1) == 1 and all(s >= t.shape[-1] for s in t.stride()[:-1])
     return t if k_major else t.contiguous()
-
-
-def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype, bias,
-                 provider) -> Tensor:
-    """``fp8_gemm`` with offsets: the provider's own grouped GEMM where it has one, else one of
-    its GEMMs per group on the group's slices."""
-    if hasattr(provider, "grouped_gemm"):
-        return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
-                                     out_dtype, bias)
-    split_k = b.dim() == 2
-    if bias is not None:
-        raise ValueError("a grouped FP8 GEMM takes no bias")
-    if split_k:
-        out = a.new_zeros((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
-    else:
-        out = a.new_zeros((a.shape[0], b.shape[-2]), dtype=out_dtype)
-    start, col = 0, 0
-    for g, end in enumerate(offs.tolist()):
-        n = end - start
-        if not split_k:
-            if n > 0:
-                sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[start:end]
-                out[start:end] = provider.gemm(a[start:end], sa, b[g], b_scale_inv[g], recipe,
-                                               a_role, b_role, out_dtype, None)
-            start = end
-            continue
-        block = group_blocks(recipe, a_role, True)
-        if n > 0:
-            pad = -n % block if block else 0
-            ag, bg = a[:, start:end], b[:, start:end]
-            if block:  # whole blocks of the group: its scale columns, its data zero-padded
-                blocks = -(-n // block)
-                sa, sb = (s[:, col:col + blocks] for s in (a_scale_inv, b_scale_inv))
-                col += blocks
-                if pad:
-                    ag, bg = (torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
-                              for t in (ag, bg))
-            else:
-                sa, sb = a_scale_inv[g], b_scale_inv[g]
-            out[g] = provider.gemm(ag.contiguous(), sa, bg.contiguous(), sb, recipe, a_role, b_role,
-                                   out_dtype, None)
-        start = end
-    return out
 
 
 @fp8_gemm.register_fake

@@ -84,8 +84,6 @@ class ScaledMM:
         ``_scaled_mm`` per group: the grouped kernel takes E4M3 operands only (tensorwise's E5M2
         gradients), and the wgrad's groups split the contraction dimension, which it needs
         aligned to 16 tokens."""
-        from .ops import grouped_gemm  # the per-group loop
-
         if (a.device.type == "cuda" and b.dim() == 3 and bias is None
                 and a.dtype == b.dtype == recipes.E4M3 and _compat.has_scaled_grouped_mm()):
             return scaled_grouped_forward(a, a_scale_inv, b, b_scale_inv, offs, out_dtype)
@@ -94,7 +92,7 @@ class ScaledMM:
 
 
 class _PerGroup:
-    """A provider seen without its grouped GEMM: ``ops.grouped_gemm`` loops over its ``gemm``."""
+    """A provider seen without its grouped GEMM: ``grouped_gemm`` loops over its ``gemm``."""
 
     def __init__(self, provider: Provider) -> None:
         self.gemm = provider.gemm
@@ -114,6 +112,50 @@ def scaled_grouped_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_in
     out = _compat.scaled_grouped_mm(a, b.transpose(-2, -1), scale_a=scale_a, scale_b=scale_b,
                                     offs=offs, out_dtype=out_dtype)
     return torch.where((group < groups)[:, None], out, out.new_zeros(()))
+
+
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype, bias,
+                 provider) -> Tensor:
+    """``fp8_gemm`` with offsets: the provider's own grouped GEMM where it has one, else one of
+    its GEMMs per group on the group's slices."""
+    if hasattr(provider, "grouped_gemm"):
+        return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
+                                     out_dtype, bias)
+    split_k = b.dim() == 2
+    if bias is not None:
+        raise ValueError("a grouped FP8 GEMM takes no bias")
+    if split_k:
+        out = a.new_zeros((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
+    else:
+        out = a.new_zeros((a.shape[0], b.shape[-2]), dtype=out_dtype)
+    start, col = 0, 0
+    for g, end in enumerate(offs.tolist()):
+        n = end - start
+        if not split_k:
+            if n > 0:
+                sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[start:end]
+                out[start:end] = provider.gemm(a[start:end], sa, b[g], b_scale_inv[g], recipe,
+                                               a_role, b_role, out_dtype, None)
+            start = end
+            continue
+        shape = recipes.block_shape(recipe, a_role)  # wgrad's blocks run along the tokens
+        block = shape[1] if shape else 0
+        if n > 0:
+            pad = -n % block if block else 0
+            ag, bg = a[:, start:end], b[:, start:end]
+            if block:  # whole blocks of the group: its scale columns, its data zero-padded
+                blocks = -(-n // block)
+                sa, sb = (s[:, col:col + blocks] for s in (a_scale_inv, b_scale_inv))
+                col += blocks
+                if pad:
+                    ag, bg = (torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
+                              for t in (ag, bg))
+            else:
+                sa, sb = a_scale_inv[g], b_scale_inv[g]
+            out[g] = provider.gemm(ag.contiguous(), sa, bg.contiguous(), sb, recipe, a_role, b_role,
+                                   out_dtype, None)
+        start = end
+    return out
 
 
 @functools.lru_cache(maxsize=None)
