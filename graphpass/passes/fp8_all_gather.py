@@ -215,7 +215,8 @@ def _rewrite(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path: list[fx.Node
             if usage in ("rowwise", "both"):
                 outputs[0], outputs[1] = rowwise, scale_inv
             if usage in ("columnwise", "both"):
-                t = new(torch.ops.aten.t.default, (rowwise,), old_q)
+                # permute, not t: the graphs Inductor lowers have t decomposed already
+                t = new(torch.ops.aten.permute.default, (rowwise, [1, 0]), old_q)
                 col = new(torch.ops.aten.clone.default, (t,), old_q,
                           kwargs={"memory_format": torch.contiguous_format})
                 if "recompute" in old_q.meta:  # save_original="never": the FP8 copy is saved
