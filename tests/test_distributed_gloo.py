@@ -10,7 +10,8 @@ Exactness claimed and asserted: the FSDP2 ranks' losses, gradients and parameter
 step are bit-identical to one process running each rank's rows through the same compiled blocks
 and averaging the two gradients as FSDP2 does, in bf16 and in FP8 (one process sums in the same
 order: the sum of two is commutative). The memory passes on a TP-sharded block give gradients
-bit-identical to the unoptimised plan. Against a single process on the whole batch (and against
+bit-identical to the unoptimised plan, and so does the FP8 all-gather of the sequence-parallel
+tensors against quantizing after a bf16 all-gather (``fp8_all_gather=False``). Against a single process on the whole batch (and against
 the unsharded TP block), the numbers differ by reduction order, and under FP8 by scales: the
 bounds below are the measured values (docs/distributed.md) with a margin.
 """
