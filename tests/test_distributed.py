@@ -130,6 +130,22 @@ def test_fp8_all_gather_needs_the_gathered_tensor_read_only_by_quantizes():
                for n in report.notes)
 
 
+def test_fp8_all_gather_is_tensorwise_only_and_says_so():
+    """mxfp8 (per-block scales): the all-gathers stay bf16, each with a note saying why."""
+    with fake_process_group(2):
+        block, inputs = llama.build_tp("tiny", tp=2, dtype=torch.bfloat16)
+        report = graphpass.plan(block, *inputs, config=graphpass.Config(
+            fp8="mxfp8", kernels="reference"))
+    notes = [n for n in report.notes if n.startswith("fp8 all-gather")]
+    # the forward's gathers belong to the module whose input they gather, the backward's to the
+    # row-parallel linear whose output gradient they gather
+    assert notes == [f"fp8 all-gather: not for {m}: mxfp8 scales: the FP8 all-gather is for "
+                     "tensorwise scaling only (docs/distributed.md): quantized after the all-gather"
+                     for m in ("self_attn", "mlp", "mlp.down_proj", "self_attn.o_proj")], notes
+    assert any("collectives in the forward: all_gather_into_tensor x2 (64.00 KiB out)" in n
+               for n in report.notes)
+
+
 @pytest.mark.parametrize("special", [None, "nan", "inf", "zero_shard"])
 def test_shards_quantized_with_the_group_amax_are_the_whole_tensor_quantized(special):
     """What the FP8 all-gather rests on: each shard quantized with the max of the shards'

@@ -43,7 +43,7 @@ _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fp8_all_gather(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
-    if config.fp8 != "tensorwise":
+    if config.fp8 is None:
         return
     gathers = [n for n in joint.graph.nodes if op_name(n) in COLLECTIVE_GATHERS]
     for gather in gathers:
@@ -119,9 +119,12 @@ def _match(gather: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | st
     if others:
         return (f"the gathered {_dtype(wait)} is also read by {', '.join(sorted(set(others)))}: "
                 "quantized after the all-gather")
-    recipe_roles = {(q.args[1], q.args[2]) for q in quantizes}
-    if len(recipe_roles) != 1 or next(iter(recipe_roles))[0] != "tensorwise":
-        return f"quantized as {sorted(recipe_roles)}: needs one tensorwise role"
+    recipes_ = sorted({q.args[1] for q in quantizes})
+    if recipes_ != ["tensorwise"]:
+        return (f"{', '.join(recipes_)} scales: the FP8 all-gather is for tensorwise scaling "
+                "only (docs/distributed.md): quantized after the all-gather")
+    if len({q.args[2] for q in quantizes}) != 1:
+        return "quantized in two roles: quantized after the all-gather"
     why = _every_element_once(path, quantizes, numel)
     if why:
         return why
