@@ -310,7 +310,12 @@ def test_memory_passes_on_a_tp_sharded_block_are_bit_identical(tp, plan):
         _assert_equal(rank[plan]["grads"], rank["unoptimised"]["grads"], f"{plan} rank {r}")
         (report,) = rank[plan]["reports"]
         ran = {"planner": ["recomputed: layernorm in backward: input_layernorm, "
-                           "post_attention_layernorm", "recomputed: act in backward: mlp"],
+                           "post_attention_layernorm", "recomputed: act in backward: mlp",
+                           # save_original="always" on a gathered input: no bf16 original left
+                           "fp8 all-gather: mlp.gate_proj: input, forward: quantized before the "
+                           "all-gather with the group's amax (all-reduce max), the all-gather "
+                           "moves FP8 bytes; save_original: the backward transposes the gathered "
+                           "FP8 copy (no high-precision original is gathered)"],
                # recomputing the MLP re-runs its input's all-gather of the sequence in the
                # backward (as Megatron's recompute does under sequence parallelism), in FP8 with
                # its amax all-reduce: the report counts a third all-gather there

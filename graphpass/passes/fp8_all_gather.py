@@ -67,8 +67,8 @@ def fp8_all_gather(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         # save_original pins the columnwise quantize in the backward to re-quantize a saved
         # original; with no high-precision gathered tensor left, the backward transposes the
         # gathered FP8 copy (same bits, fewer bytes than the bf16 gathered original)
-        extra = ("; save_original: the backward transposes the gathered FP8 copy (no bf16 "
-                 "original is gathered)") if pinned else ""
+        extra = ("; save_original: the backward transposes the gathered FP8 copy (no "
+                 "high-precision original is gathered)") if pinned else ""
         plan.decide(Decision(What.FP8_ALL_GATHER, "fp8", (
             f"{role}, {side}: quantized before the all-gather with the group's amax "
             f"(all-reduce max), the all-gather moves FP8 bytes{extra}"), where), once=True)
