@@ -107,8 +107,8 @@ def _match(gather: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | st
                 continue
             seen.add(user)
             name = op_name(user)
-            if name == "graphpass.quantize" and user.args[0] is node:
-                quantizes.append(user)
+            if name == "graphpass.quantize" and user.args[0] is node and len(user.args) == 4:
+                quantizes.append(user)  # not a grouped one (offsets): it is quantized per group
             elif name in GATHER_LAYOUT | {"getitem"}:
                 path.append(user)
                 todo.append(user)
