@@ -43,7 +43,7 @@ _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
-    quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]] = {}
+    quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]] = {}
     for lin in find_linears(joint) + find_grouped(joint) + find_grouped_offsets(joint):
         reason = why_not_lowered(lin, config)
         if reason:
@@ -87,11 +87,10 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     multiple = recipes.requires_divisibility(config.fp8)
     # wgrad contracts over M (tokens), so M needs the same alignment as K and N; token groups
     # (offsets) are quantized per group, padded where a block would span two (fp8/ops.py).
-    dims = (("K", k), ("N", n)) if lin.offs is not None else (("K", k), ("N", n), ("M", m))
-    for dim, size in dims:
+    for dim, size in (("K", k), ("N", n), ("M", m)):
         if not isinstance(size, int):
             return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
-        if size % multiple:
+        if size % multiple and not (dim == "M" and lin.offs is not None):
             return f"{dim}={size} not a multiple of {multiple}"
     # torch's formula: 2*M*N*K, per group for experts; over token groups 2*T*N*K
     flops = 2 * m * n * k if lin.offs is not None else node_flops(lin.fprop)
@@ -101,7 +100,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
 
 
 def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
-             quantized: dict[tuple[Any, str, bool], tuple[fx.Node, fx.Node]]) -> None:
+             quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]]) -> None:
     graph = joint.graph
 
     def quantize(x: fx.Node, role: str, columnwise: bool, before: fx.Node, backward: bool,
