@@ -94,6 +94,23 @@ cache_dequantize = torch.library.custom_op("graphpass::cache_dequantize", _cache
 cache_dequantize.register_fake(_cache_dequantize_fake)
 
 
+def _dequantize_copy(data: Tensor, scale_inv: Tensor, recipe: str, dtype: torch.dtype) -> Tensor:
+    """The FP8 lowering's columnwise copy of a linear input (data (K, M)), dequantized back to
+    the (M, K) input in ``dtype``: the cache reuses the copy wgrad needs anyway."""
+    return recipes.dequantize(data, scale_inv, recipe, "input", columnwise=True,
+                              dtype=dtype).contiguous()
+
+
+def _dequantize_copy_fake(data: Tensor, scale_inv: Tensor, recipe: str,
+                          dtype: torch.dtype) -> Tensor:
+    return data.new_empty((data.shape[1], data.shape[0]), dtype=dtype)
+
+
+dequantize_copy = torch.library.custom_op("graphpass::cache_dequantize_copy", _dequantize_copy,
+                                          mutates_args=())
+dequantize_copy.register_fake(_dequantize_copy_fake)
+
+
 def fp8_dtype(fmt: str) -> torch.dtype:
     recipe, role = _check(fmt)
     return recipes.fp8_dtype(recipe, role)
@@ -116,3 +133,4 @@ def error_bound(x: Tensor, fmt: str) -> Tensor:
 # The graph ops, for passes that insert or match them (importing this module registers them).
 CACHE_QUANTIZE = torch.ops.graphpass.cache_quantize.default
 CACHE_DEQUANTIZE = torch.ops.graphpass.cache_dequantize.default
+CACHE_DEQUANTIZE_COPY = torch.ops.graphpass.cache_dequantize_copy.default

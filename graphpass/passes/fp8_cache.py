@@ -34,7 +34,7 @@ import torch.fx as fx
 from .. import _compat
 from ..config import Config
 from ..decisions import Cached, Decision, Plan, What, facts, record
-from ..fp8.cache import CACHE_DEQUANTIZE, CACHE_QUANTIZE, DTYPES
+from ..fp8.cache import CACHE_DEQUANTIZE, CACHE_DEQUANTIZE_COPY, CACHE_QUANTIZE, DTYPES
 from ..graph.nodes import is_backward, is_random, module_path, op_name, producer, tensor_val
 from ..graph.ops import CASTS, VIEWS
 from ..graph.regions import Regions, in_norm, is_attention, is_expensive
@@ -49,6 +49,7 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     saved, recomputed = plan.exact_partition(joint)
     selected = _select(joint, saved, config.fp8_cache, plan.parameters)
     graph = joint.graph
+    copies = _lowered_copies(joint)
     small, cached = [], {}
     for node in selected:
         why = _not_cacheable(node, plan)
@@ -57,6 +58,8 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                                  f": {why}", module_path(node), node.name))
         elif _nbytes(node) < config.fp8_cache_min_bytes:
             small.append(node)
+        elif node in copies:
+            cached[node] = _reuse(graph, node, *copies[node])
         else:
             cached[node] = _insert(graph, node, config.fp8_cache_format)
     if small:
@@ -155,6 +158,84 @@ def _insert(graph: fx.Graph, node: fx.Node, fmt: str) -> fx.Node:
     record(scale, cached=cached, fp8_scale=True)
     _compat.set_partition_side(dq, "must_be_in_backward")
     return dq
+
+
+# Shape-only ops between a saved activation and the 2-D input of a linear's quantize, each with
+# the op that undoes it.
+_INVERTIBLE = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.permute", "aten.transpose",
+               "aten.t", "aten.clone", "aten.contiguous"}
+
+
+def _lowered_copies(joint: fx.GraphModule) -> dict[fx.Node, tuple[fx.Node, fx.Node, list[fx.Node]]]:
+    """Activations whose columnwise FP8 copy (a linear's input, for wgrad) the FP8 lowering
+    makes in the forward or leaves to the min-cut: the copy's data and scale, and the shape-only
+    ops from the activation to the quantized 2-D input."""
+    out = {}
+    for q in joint.graph.nodes:
+        if op_name(q) != "graphpass.quantize" or is_backward(q):
+            continue
+        x, recipe, role, usage = q.args
+        if (role != "input" or usage == "rowwise" or tensor_val(x) is None or tensor_val(x).dim() != 2
+                or _compat.partition_side(q) == "must_be_in_backward"):  # save_original="always"
+            continue
+        first = 2 if usage == "both" else 0
+        items = {u.args[1]: u for u in q.users if u.target is operator.getitem}
+        if first not in items or first + 1 not in items:
+            continue
+        path, node = [], x
+        while node.op == "call_function" and op_name(node) in _INVERTIBLE:
+            if not all(isinstance(d, int) for d in tensor_val(node.args[0]).shape):
+                break
+            path.append(node)
+            node = node.args[0]
+        else:
+            out.setdefault(node, (items[first], items[first + 1], path))
+            continue
+    return out
+
+
+def _reuse(graph: fx.Graph, node: fx.Node, data: fx.Node, scale: fx.Node,
+           path: list[fx.Node]) -> fx.Node:
+    """The lowering's columnwise FP8 copy of ``node`` (through ``path``) as its cached value:
+    dequantized in the backward and the shape-only ops undone."""
+    val = tensor_val(node)
+    recipe = facts(data).quantized.recipe
+    cached = Cached(source=node, dtype=str(val.dtype).removeprefix("torch."),
+                    fmt=f"the fp8 lowering's columnwise {recipe} copy")
+    record(data, cached=cached)
+    record(scale, cached=cached)
+    with graph.inserting_after(scale):
+        value = _call(graph, CACHE_DEQUANTIZE_COPY, (data, scale, recipe, val.dtype), like=node)
+    last = value
+    for op in path:  # from the quantized input back to ``node``
+        shape = list(tensor_val(op.args[0]).shape)
+        name = op_name(op)
+        if name in ("aten.view", "aten.reshape", "aten._unsafe_view"):
+            step = (torch.ops.aten.reshape.default, (value, shape))
+        elif name == "aten.permute":
+            dims = list(op.args[1])
+            step = (torch.ops.aten.permute.default, (value, sorted(range(len(dims)), key=dims.__getitem__)))
+        elif name == "aten.transpose":
+            step = (torch.ops.aten.transpose.int, (value, *op.args[1:3]))
+        elif name == "aten.t":
+            step = (torch.ops.aten.t.default, (value,))
+        else:  # clone, contiguous: the same values
+            continue
+        with graph.inserting_after(last):
+            value = last = _call(graph, step[0], step[1], like=node)
+    _pin_chain(value, data)
+    return value
+
+
+def _pin_chain(value: fx.Node, data: fx.Node) -> None:
+    """Pin the dequantize and the ops undoing the shape in the backward."""
+    todo = [value]
+    while todo:
+        node = todo.pop()
+        if node is data or node.op != "call_function" or node.target is operator.getitem:
+            continue
+        _compat.set_partition_side(node, "must_be_in_backward")
+        todo += node.all_input_nodes
 
 
 def _call(graph: fx.Graph, target, args: tuple, *, like: fx.Node) -> fx.Node:
