@@ -22,7 +22,7 @@ RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 FP8Cache = Literal[None, "act_input", "attn", "layer_input", "all"]
 # How: E4M3 with one fp32 scale per 1x128 block (``_pow2``: scales rounded down to powers of
 # two, as DeepSeek-V3), or one scale per tensor in E4M3 or E5M2 (torch's own pass's format).
-FP8CacheFormat = Literal["e4m3_1x128", "e4m3_1x128_pow2", "e4m3_tensor", "e5m2_tensor"]
+FP8CacheFormat = Literal["e4m3_1x128_pow2", "e4m3_1x128", "e4m3_tensor", "e5m2_tensor"]
 
 @dataclass(frozen=True)
 class Config:
@@ -112,10 +112,11 @@ class Config:
     ``"layer_input"``: residual-stream tensors saved for norms; ``"all"``: every saved floating
     activation. The backward reads the dequantized value; the forward the exact one."""
 
-    fp8_cache_format: FP8CacheFormat = "e4m3_1x128"
-    """The FP8 activation cache's format: ``"e4m3_1x128"`` (fp32 scale per 1x128 block along
-    the last dimension), ``"e4m3_1x128_pow2"`` (the same, power-of-two scales),
-    ``"e4m3_tensor"`` or ``"e5m2_tensor"`` (one scale per tensor)."""
+    fp8_cache_format: FP8CacheFormat = "e4m3_1x128_pow2"
+    """The FP8 activation cache's format: ``"e4m3_1x128_pow2"`` (one power-of-two scale per
+    1x128 block along the last dimension, stored as an E8M0 byte: DeepSeek-V3's activations),
+    ``"e4m3_1x128"`` (the same with fp32 scales), ``"e4m3_tensor"`` or ``"e5m2_tensor"`` (one
+    scale per tensor)."""
 
     fp8_cache_min_bytes: int = 1 << 16
     """Saved activations smaller than this stay in their dtype under ``fp8_cache``."""

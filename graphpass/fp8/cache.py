@@ -12,7 +12,9 @@ value, ``s`` the scale its block or tensor was multiplied by, ``1/s`` the stored
 for finite inputs:
 
 * ``e4m3_1x128``: E4M3, one fp32 scale ``448 / amax`` per 1x128 block along the last dimension.
-* ``e4m3_1x128_pow2``: the same with the scale rounded down to a power of two (DeepSeek-V3).
+* ``e4m3_1x128_pow2`` (the default): the same with the scale rounded down to a power of two
+  (DeepSeek-V3), stored as one E8M0 byte (its exponent, exact) instead of fp32: on
+  Llama-3-8B's SwiGLU, 1.75 MiB of scales instead of 7 MiB per layer.
 * ``e4m3_tensor``: E4M3, one scale ``448 / amax`` per tensor.
 * ``e5m2_tensor``: E5M2, one scale ``57344 / amax`` per tensor (torch's own pass stores E5M2).
 
@@ -69,6 +71,8 @@ def _cache_quantize(x: Tensor, fmt: str) -> list[Tensor]:
     ``scale_inv`` () per tensor, (rows, ceil(last/128)) per block."""
     recipe, role = _check(fmt)
     data, scale_inv = recipes.quantize(_rows(x), recipe, role)
+    if recipe.power_2_scales:  # a power of two: its E8M0 byte holds it exactly
+        scale_inv = recipes.float_to_e8m0(scale_inv)
     return [data.reshape(x.shape), scale_inv]
 
 
@@ -76,6 +80,8 @@ def _cache_dequantize(data: Tensor, scale_inv: Tensor, fmt: str, dtype: torch.dt
                       stride: list[int]) -> Tensor:
     """The cached value in ``dtype``, laid out with ``stride`` (the original's)."""
     recipe, role = _check(fmt)
+    if recipe.power_2_scales:
+        scale_inv = recipes.e8m0_to_float(scale_inv)
     values = recipes.dequantize(_rows(data), scale_inv, recipe, role, dtype=dtype)
     out = torch.empty_strided(data.shape, stride, dtype=dtype, device=data.device)
     return out.copy_(values.reshape(data.shape))
@@ -122,6 +128,8 @@ def error_bound(x: Tensor, fmt: str) -> Tensor:
     data, scale_inv = _cache_quantize(x, fmt)
     mantissa, e_min = _BITS[data.dtype]
     recipe, _ = _check(fmt)
+    if recipe.power_2_scales:
+        scale_inv = recipes.e8m0_to_float(scale_inv)
     per_element = scale_inv.float()
     if recipe.name == "blockwise":
         rows = _rows(x)
