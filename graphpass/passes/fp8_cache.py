@@ -131,6 +131,9 @@ def _not_cacheable(node: fx.Node, plan: Plan) -> str:
         return "not a dense tensor (an expanded or overlapping view)"
     if facts(node).quantized is not None or facts(node).fp8_scale:
         return "an FP8 copy already"
+    if node.target is operator.getitem and node.args[1] != 0 and is_attention(producer(node)):
+        return ("attention's softmax statistics (log-sum-exp) stay exact: an error e in them "
+                "scales the backward's attention probabilities by exp(e)")
     return ""
 
 
