@@ -59,7 +59,10 @@ def saved_rows(
         kind = _kind(node, val, is_param=sid in param_storages)
         offloaded = offloaded_source(node)
         source = offloaded or node
-        path = module_path(source) or normalize_path(input_sources.get(source.name, ""), of_module=False)
+        named = source
+        if facts(node).cached is not None and not module_path(source):  # a cached graph input
+            named = facts(node).cached.source
+        path = module_path(named) or normalize_path(input_sources.get(named.name, ""), of_module=False)
         rows.append(
             Row(
                 name=node.name,

@@ -10,13 +10,10 @@ Which value reads what:
 
 * the forward always computes with the exact value (no forward node is rewritten);
 * the backward reads the dequantized value: its own nodes directly, and where the exact plan
-  recomputes a forward node in the backward (``silu(gate)`` of SwiGLU), reads a view of a
-  cached value, or reads a norm's value computed from one (its saved statistics, ``rstd``),
-  that node becomes an explicit backward node reading the dequantized inputs, so recompute and
-  backward agree and the original need not be saved. A norm's statistics are recomputed from
-  the dequantized input because the norm backward needs input and statistics to agree: with
-  the exact ``rstd`` and a dequantized input it loses its projection out of the normalized
-  direction, and the gradient of a scale-invariant loss grew 2500-fold on the tiny Llama. A random op (dropout) is not copied (a copy would draw new
+  recomputes a forward node in the backward (``silu(gate)`` of SwiGLU) or reads a view of a
+  cached value, that node becomes an explicit backward node reading the dequantized inputs, so
+  recompute and backward agree and the original need not be saved. Everything else the exact
+  plan saves (a norm's ``rstd``, attention's log-sum-exp) stays exact. A random op (dropout) is not copied (a copy would draw new
   numbers): its inputs stay exact for torch's replay, and a cached input it reads is a note.
 
 So gradients differ from the exact plan's only through the cached values. Anything the level
@@ -37,7 +34,7 @@ from ..decisions import Cached, Decision, Plan, What, facts, record
 from ..fp8.cache import CACHE_DEQUANTIZE, CACHE_DEQUANTIZE_COPY, CACHE_QUANTIZE, DTYPES
 from ..graph.nodes import is_backward, is_random, module_path, op_name, producer, tensor_val
 from ..graph.ops import CASTS, VIEWS
-from ..graph.regions import Regions, in_norm, is_attention, is_expensive
+from ..graph.regions import Regions, in_norm, is_attention
 
 BY = "fp8_cache"
 
@@ -270,10 +267,8 @@ def _read_in_backward(graph: fx.Graph, cached: dict[fx.Node, fx.Node], recompute
         """What the backward reads for the forward node ``node``."""
         if node in value:
             return value[node]
-        # the exact plan's recomputes, views (free) and a norm's values (its statistics) read
-        # from a cached value
-        if node.op != "call_function" or not (node in recomputed or op_name(node) in VIEWS
-                                              or (in_norm(node) and not is_expensive(node))):
+        # the exact plan's recomputes, and views (free) of a cached value
+        if node.op != "call_function" or (node not in recomputed and op_name(node) not in VIEWS):
             return node
         args = fx.map_arg((node.args, node.kwargs), lambda a: in_backward(a, before))
         if args == (node.args, node.kwargs):
