@@ -124,8 +124,6 @@ def _not_cacheable(node: fx.Node, plan: Plan) -> str:
         return f"{str(val.dtype).removeprefix('torch.')} is no floating dtype the cache stores"
     if val.numel() == 0:
         return "empty"
-    if not _compat.is_non_overlapping_and_dense(val):
-        return "not a dense tensor (an expanded or overlapping view)"
     if facts(node).quantized is not None or facts(node).fp8_scale:
         return "an FP8 copy already"
     if node.target is operator.getitem and node.args[1] != 0 and is_attention(producer(node)):
@@ -151,9 +149,11 @@ def _insert(graph: fx.Graph, node: fx.Node, fmt: str) -> fx.Node:
         data = _call(graph, operator.getitem, (q, 0), like=node)
     with graph.inserting_after(data):
         scale = _call(graph, operator.getitem, (q, 1), like=node)
+    # the original's layout, or a contiguous one for a strided view (q, k, v of a packed qkv)
+    stride = (list(val.stride()) if _compat.is_non_overlapping_and_dense(val)
+              else list(torch.empty(val.shape, device="meta").stride()))
     with graph.inserting_after(scale):
-        dq = _call(graph, CACHE_DEQUANTIZE, (data, scale, fmt, val.dtype, list(val.stride())),
-                   like=node)
+        dq = _call(graph, CACHE_DEQUANTIZE, (data, scale, fmt, val.dtype, stride), like=node)
     record(data, cached=cached)
     record(scale, cached=cached, fp8_scale=True)
     _compat.set_partition_side(dq, "must_be_in_backward")
