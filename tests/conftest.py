@@ -19,6 +19,15 @@ torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
 
 
+# Under pytest-xdist, every worker is a process with torch's default intra-op threads (one per
+# core): two workers on two cores ran four threads, and the suite's tiny tensors paid for it
+# (38 bf16 training steps of the tiny Llama on a busy 2-core machine: 28 s with 2 threads per
+# process, 8.8 s with 1). Each worker gets its share of the cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))
+                              // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

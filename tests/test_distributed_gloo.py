@@ -18,7 +18,6 @@ bounds below are the measured values (docs/distributed.md) with a margin.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from graphpass.distributed import FSDP_FP8_NOTE
+
+from _session import once
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
@@ -43,19 +44,10 @@ HANG_TIMEOUT = 30  # seconds for the harness's own test: rank 1 must import torc
 
 
 def _shared_run(scenario: str, tmp_path_factory) -> tuple[list[dict], dict]:
-    """One run of ``scenario`` per pytest session, whichever xdist worker first needs it: under a
-    file lock in the directory the workers share, the others wait for it and read its files."""
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the session's workers
-    out = root / f"gloo-{scenario}"
-    with FileLock(f"{out}.lock", timeout=3 * TIMEOUT):
-        if not (out / "done").exists():
-            shutil.rmtree(out, ignore_errors=True)  # a failed run of another worker
-            _run(scenario, out)
-            (out / "done").touch()
+    """One run of ``scenario`` per pytest session (``_session.once``): its ranks' and its
+    reference's results."""
+    out = once(tmp_path_factory, f"gloo-{scenario}", lambda out: _run(scenario, out),
+               timeout=3 * TIMEOUT)
     ranks = [torch.load(out / f"{scenario}-{r}.pt") for r in range(WORLD)]
     return ranks, torch.load(out / f"{scenario}_ref.pt")
 
@@ -63,7 +55,7 @@ def _shared_run(scenario: str, tmp_path_factory) -> tuple[list[dict], dict]:
 def _run(scenario: str, out: Path, timeout: float = TIMEOUT, reference: bool = True) -> None:
     """Both ranks of ``scenario`` and (``reference``) its one-process reference, at once, each
     writing what it measured under ``out``; killed at ``timeout`` seconds."""
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     store = out / "store"
     commands = {f"rank {r}": [sys.executable, str(WORKER), scenario, str(out), str(r), str(WORLD),

@@ -1,9 +1,11 @@
 """Training the tiny Llama with each FP8 recipe lands where the bf16 run lands."""
 
+import json
 import statistics
 
 import pytest
 import torch
+from _session import once
 
 import graphpass
 from examples import llama, train
@@ -25,8 +27,12 @@ def _final_loss(data, fp8):
 
 
 @pytest.fixture(scope="module")
-def bf16_loss(data):
-    return _final_loss(data, None)[0]
+def bf16_loss(data, tmp_path_factory):
+    """The bf16 run, once per session (not once per xdist worker)."""
+    def fill(out):
+        (out / "loss.json").write_text(json.dumps(_final_loss(data, None)[0]))
+    return json.loads((once(tmp_path_factory, "bf16-training", fill, timeout=900) / "loss.json")
+                      .read_text())
 
 
 @pytest.mark.slow
