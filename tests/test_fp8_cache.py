@@ -192,30 +192,16 @@ def test_forward_exact_backward_dequantized_and_nothing_else_lossy():
     assert any(r.decided(What.FP8_CACHED) for r in report.rows)
 
 
-def test_norm_statistics_follow_the_dequantized_input():
-    """layer_input caches the residual stream; the norms' saved statistics are recomputed from
-    the dequantized value (no exact rstd saved), and a scale-invariant loss keeps small
-    gradients: the final norm's backward projects out the normalized direction consistently."""
+def test_layer_input_caches_the_residual_stream_and_keeps_norm_statistics_exact():
+    """layer_input caches the tensors saved for norms (the layer input x and the layer output
+    the final norm reads); each norm's saved rstd (2x64x1 f32) stays exact."""
     model, inputs = llama.build("tiny", layers=1, seq=64)
     report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8_cache="layer_input",
                                                                     fp8_cache_min_bytes=0))
-    assert not [r for r in report.rows if r.op == "aten.rsqrt"]
     assert [r.module for r in report.rows if r.decided(What.FP8_CACHED) and r.kind == "fp8_data"] \
         == ["input:x", "layers.0"]
-    torch._dynamo.reset()
-
-    def grads(**cfg):
-        torch._dynamo.reset()
-        x = inputs[0].detach().requires_grad_()
-        out = torch.compile(model, backend=graphpass.backend(codegen="eager", **cfg))(x, *inputs[1:])
-        out.float().pow(2).mean().backward()  # ~constant: RMSNorm output's mean square
-        grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        return grads
-
-    exact, cached = grads(), grads(fp8_cache="layer_input", fp8_cache_min_bytes=0)
-    up = [i for i, (n, _) in enumerate(model.named_parameters()) if n.endswith("up_proj.weight")][0]
-    assert exact[up].norm() < 1e-5 and cached[up].norm() < 1e-5  # exact rstd: 3e-4 (2500x)
+    assert sorted(r.module for r in report.rows if r.op == "aten.rsqrt") == [
+        "layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"]
 
 
 # --- with the FP8 lowering ------------------------------------------------------------------------
