@@ -49,7 +49,7 @@ def cache_losses(data, *, levels=LEVELS, codegen: str = "eager") -> dict[str, fl
     out = {}
     for name, options in runs.items():
         out[name] = final_loss(data, codegen=codegen, **options)
-        print(f"{name}: done", file=sys.stderr)
+        print(f"{name}: {out[name]:.4f}", file=sys.stderr, flush=True)
     return out
 
 
