@@ -441,6 +441,12 @@ def op_name(target: Any) -> str | None:
     return None
 
 
+def functional_collective(name: str) -> Any:
+    """torch's functional collective op ``name`` (``all_reduce``, ``wait_tensor``), default
+    overload: what DTensor's collectives trace into."""
+    return getattr(torch.ops._c10d_functional, name).default
+
+
 def is_op_overload(target: Any) -> bool:
     """An operator overload (``torch.ops.aten.mm.default``), which FLOP formulas and tags know."""
     return isinstance(target, torch._ops.OpOverload)

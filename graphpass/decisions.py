@@ -31,6 +31,8 @@ class What(enum.Enum):
     FUSE_QUANTIZE_PARTLY = "fuse_quantize: {why}"
     FP8_COPY = "fp8 copy ({why})"
     FP8_DISTRIBUTED = "fp8 under {why}"
+    FP8_ALL_GATHER = "fp8 all-gather: {module}: {why}"
+    NOT_FP8_ALL_GATHER = "fp8 all-gather: not for {module}: {why}"
     REQUANTIZED = "save original: {module} re-quantizes its saved input in the backward"
     # the FP8 activation cache (lossy, opt-in)
     FP8_CACHED = "fp8 cache (lossy): {why}"

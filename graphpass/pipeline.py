@@ -14,6 +14,7 @@ from .config import Config, given
 from .decisions import Plan
 from .min_cut import exact_partition, min_cut
 from .passes.canonicalize import canonicalize
+from .passes.fp8_all_gather import fp8_all_gather
 from .passes.fp8_cache import fp8_cache
 from .passes.lower_fp8 import lower_fp8
 from .passes.offload import offload
@@ -28,7 +29,7 @@ __all__ = ["PASSES", "Partition", "last_report", "partition", "run"]
 # Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and records the
 # decisions a user should see; listed in the order they run.
 PASSES: tuple[Callable[[fx.GraphModule, Plan, Config], None], ...] = (
-    canonicalize, lower_fp8, save_original, recompute, offload, plan_memory,
+    canonicalize, lower_fp8, save_original, fp8_all_gather, recompute, offload, plan_memory,
     # lossy and opt-in: after the exact passes, FP8 copies of what their plan still saves
     fp8_cache)
 

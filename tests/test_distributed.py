@@ -68,21 +68,106 @@ def test_llama3_70b_layer_at_tp8_plans_one_rank_by_hand_count():
     # The whole report: those, plus the RoPE tables (2 x s x d bf16), graph inputs it saves.
     assert report.activation_bytes == sum(hand.values()) + scales + 2 * s * d * bf16
 
-    # The report names the collectives: per linear pair an all-gather of the sequence
-    # (s x h bf16 out) and a reduce-scatter back onto it (s/tp x h out), mirrored in backward.
-    gathered, scattered = 2 * b * s * h * bf16, 2 * b * s // tp * h * bf16
-    assert (f"collectives in the forward: all_gather_into_tensor x2 ({gathered // MiB}.00 MiB "
-            f"out), reduce_scatter_tensor x2 ({scattered // MiB}.00 MiB out)") in report.notes
-    assert any(n.startswith("collectives in the backward: all_gather_into_tensor x2")
-               for n in report.notes)
-    # What graphpass does not do under TP, as a note (docs/distributed.md): no FP8 all-gather,
-    # no amax reduced across ranks. (tests/test_distributed_gloo.py asserts it on real ranks.)
-    assert any(n.startswith("fp8 under tensor parallelism: quantizes run after the all-gathers, "
-                            "which move bfloat16") for n in report.notes)
+    # The report names the collectives: per linear pair an all-gather of the sequence in FP8
+    # (s x h x 1 B out: quantized before the collective, passes/fp8_all_gather.py) after an
+    # all-reduce of the amax (one fp32), and a reduce-scatter back onto the sequence (s/tp x h
+    # bf16 out), mirrored in the backward (the output gradients of o_proj and down_proj).
+    gathered, scattered = 2 * b * s * h * fp8, 2 * b * s // tp * h * bf16
+    for side in ("forward", "backward"):
+        assert (f"collectives in the {side}: all_gather_into_tensor x2 ({gathered // MiB}.00 MiB "
+                f"out), all_reduce x2 ({2 * f32} B out), reduce_scatter_tensor x2 "
+                f"({scattered // MiB}.00 MiB out)") in report.notes
+    # How FP8 is scaled under TP, as a note (docs/distributed.md); tests/test_distributed_gloo.py
+    # asserts it on real ranks.
+    assert any(n.startswith("fp8 under tensor parallelism: sequence-parallel inputs and gradients "
+                            "are quantized before their all-gathers") for n in report.notes)
     for linear in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert f"lowered: self_attn.{linear} (reference/tensorwise)" in report.notes
     for linear in ("gate_proj", "up_proj", "down_proj"):
         assert f"lowered: mlp.{linear} (reference/tensorwise)" in report.notes
+
+
+def test_fp8_all_gather_halves_the_gathered_bytes_and_saves_the_same():
+    """One rank of the tiny Llama block at TP=2 (bf16, sequence 32, hidden 256), FP8 tensorwise,
+    with the FP8 all-gather (default) and without (fp8_all_gather=False): the all-gathers move
+    1 byte per element instead of 2, each after a 4-byte amax all-reduce; the saved bytes are
+    the same (the gathered FP8 copies are saved either way). The bits are compared on real
+    ranks in tests/test_distributed_gloo.py."""
+    b, s, h, tp = 2, 32, 256, 2
+    reports = {}
+    for on in (True, False):
+        with fake_process_group(tp):
+            block, inputs = llama.build_tp("tiny", tp=tp, dtype=torch.bfloat16)
+            reports[on] = graphpass.plan(block, *inputs, config=graphpass.Config(
+                fp8="tensorwise", kernels="reference", fp8_all_gather=on))
+    gathered = 2 * b * s * h  # two all-gathers of the whole sequence per side
+    scattered = f"reduce_scatter_tensor x2 ({2 * b * s // tp * h * 2 // 1024}.00 KiB out)"
+    for side in ("forward", "backward"):
+        assert (f"collectives in the {side}: all_gather_into_tensor x2 ({gathered // 1024}.00 KiB "
+                f"out), all_reduce x2 (8 B out), {scattered}") in reports[True].notes
+        assert (f"collectives in the {side}: all_gather_into_tensor x2 ({2 * gathered // 1024}.00 "
+                f"KiB out), {scattered}") in reports[False].notes
+    assert reports[True].activation_bytes == reports[False].activation_bytes
+    # the saved FP8 copies of the two gathered inputs: s x h bytes each, as before
+    fp8 = [r for r in reports[True].rows if r.kind == "fp8_data"]
+    assert sorted((r.module, r.bytes) for r in fp8) == [
+        ("mlp.gate_proj", b * s * h), ("self_attn.q_proj", b * s * h)]
+    assert sum(n.startswith("fp8 all-gather: not for") for n in reports[False].notes) == 4
+    assert sum(n.startswith("fp8 all-gather: ") for n in reports[True].notes) == 4
+
+
+def test_fp8_all_gather_needs_the_gathered_tensor_read_only_by_quantizes():
+    """k_proj kept in bf16 reads the gathered attention input: that all-gather stays bf16 (its
+    bf16 value is needed), said in a note; the MLP's input is still gathered in FP8."""
+    with fake_process_group(2):
+        block, inputs = llama.build_tp("tiny", tp=2, dtype=torch.bfloat16)
+        report = graphpass.plan(block, *inputs, config=graphpass.Config(
+            fp8="tensorwise", kernels="reference", fp8_exclude=("self_attn.k_proj",)))
+    assert ("fp8 all-gather: not for self_attn: the gathered bfloat16 is also read by aten.mm: "
+            "quantized after the all-gather") in report.notes
+    assert any(n.startswith("fp8 all-gather: mlp.gate_proj: input, forward") for n in report.notes)
+    assert any(n.startswith("fp8 under tensor parallelism: all-gathers that move bfloat16")
+               for n in report.notes)
+
+
+def test_fp8_all_gather_is_tensorwise_only_and_says_so():
+    """mxfp8 (per-block scales): the all-gathers stay bf16, each with a note saying why."""
+    with fake_process_group(2):
+        block, inputs = llama.build_tp("tiny", tp=2, dtype=torch.bfloat16)
+        report = graphpass.plan(block, *inputs, config=graphpass.Config(
+            fp8="mxfp8", kernels="reference"))
+    notes = [n for n in report.notes if n.startswith("fp8 all-gather")]
+    # the forward's gathers belong to the module whose input they gather, the backward's to the
+    # row-parallel linear whose output gradient they gather
+    assert notes == [f"fp8 all-gather: not for {m}: mxfp8 scales: the FP8 all-gather is for "
+                     "tensorwise scaling only (docs/distributed.md): quantized after the all-gather"
+                     for m in ("self_attn", "mlp", "mlp.down_proj", "self_attn.o_proj")], notes
+    assert any("collectives in the forward: all_gather_into_tensor x2 (64.00 KiB out)" in n
+               for n in report.notes)
+
+
+@pytest.mark.parametrize("special", [None, "nan", "inf", "zero_shard"])
+def test_shards_quantized_with_the_group_amax_are_the_whole_tensor_quantized(special):
+    """What the FP8 all-gather rests on: each shard quantized with the max of the shards'
+    amaxes, concatenated, has the bits (and scale) of the whole tensor quantized at once."""
+    from graphpass.fp8 import recipes
+
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 30
+    if special == "nan":
+        x[3, 5] = float("nan")
+    elif special == "inf":
+        x[40, 1] = float("inf")
+    elif special == "zero_shard":
+        x[:16] = 0
+    shards = x.chunk(4)
+    amax = torch.stack([recipes.tensor_amax(t) for t in shards]).amax()
+    for role in ("input", "grad"):
+        parts = [recipes.quantize(t, "tensorwise", role, amax=amax) for t in shards]
+        data, scale_inv = recipes.quantize(x, "tensorwise", role)
+        assert torch.equal(torch.cat([p[0] for p in parts]).view(torch.uint8), data.view(torch.uint8))
+        assert all(torch.equal(p[1], scale_inv) for p in parts)
+    with pytest.raises(ValueError, match="tensorwise only"):
+        recipes.quantize(x, "blockwise", "input", amax=amax)
 
 
 def test_fake_process_group_refuses_a_second_default_group():

@@ -10,7 +10,8 @@ Exactness claimed and asserted: the FSDP2 ranks' losses, gradients and parameter
 step are bit-identical to one process running each rank's rows through the same compiled blocks
 and averaging the two gradients as FSDP2 does, in bf16 and in FP8 (one process sums in the same
 order: the sum of two is commutative). The memory passes on a TP-sharded block give gradients
-bit-identical to the unoptimised plan. Against a single process on the whole batch (and against
+bit-identical to the unoptimised plan, and so does the FP8 all-gather of the sequence-parallel
+tensors against quantizing after a bf16 all-gather (``fp8_all_gather=False``). Against a single process on the whole batch (and against
 the unsharded TP block), the numbers differ by reduction order, and under FP8 by scales: the
 bounds below are the measured values (docs/distributed.md) with a margin.
 """
@@ -248,15 +249,53 @@ def test_tp_sp_rank_report_names_shards_collectives_and_what_fp8_does_not_do(tp)
             "mlp.gate_proj.weight": (256, 256), "mlp.up_proj.weight": (256, 256),
             "mlp.down_proj.weight": (256, 256)}
         notes = report["notes"]
-        assert ("collectives in the forward: all_gather_into_tensor x2 (64.00 KiB out), "
-                "reduce_scatter_tensor x2 (32.00 KiB out)") in notes
+        # the sequence-parallel all-gathers move FP8 bytes (passes/fp8_all_gather.py): 2 x 64 x
+        # 256 x 1 B each, half of the bf16 all-gathers' 64 KiB, after an all-reduce of each
+        # rank's amax (one fp32 each)
+        assert ("collectives in the forward: all_gather_into_tensor x2 (32.00 KiB out), "
+                "all_reduce x2 (8 B out), reduce_scatter_tensor x2 (32.00 KiB out)") in notes
+        assert ("collectives in the backward: all_gather_into_tensor x2 (32.00 KiB out), "
+                "all_reduce x2 (8 B out), reduce_scatter_tensor x2 (32.00 KiB out)") in notes
         assert sum(n.startswith("lowered:") for n in notes) == 7
-        assert ("fp8 under tensor parallelism: quantizes run after the all-gathers, which move "
-                "bfloat16 (FP8 all-gather of sequence-parallel inputs, as Transformer Engine does, "
-                "is not supported), so a gathered input has one scale, the same on every rank; no "
-                "amax is reduced across ranks: a weight shard or a row-parallel input scales by "
-                "this rank's shard") in notes
+        assert [n for n in notes if n.startswith("fp8 all-gather:")] == [
+            f"fp8 all-gather: {module}: {role}, {side}: quantized before the all-gather with the "
+            "group's amax (all-reduce max), the all-gather moves FP8 bytes"
+            for module, role, side in (("self_attn.q_proj", "input", "forward"),
+                                       ("mlp.gate_proj", "input", "forward"),
+                                       ("mlp.down_proj", "grad", "backward"),
+                                       ("self_attn.o_proj", "grad", "backward"))]
+        assert ("fp8 under tensor parallelism: sequence-parallel inputs and gradients are "
+                "quantized before their all-gathers, with the amax reduced (max) over the group "
+                "as Transformer Engine does, and the all-gathers move FP8 bytes (uint8), so a "
+                "gathered tensor has one scale, the same on every rank; a weight shard or a "
+                "row-parallel input scales by this rank's shard") in notes
+        assert not any("quantized after" in n for n in notes)
+        # with fp8_all_gather=False: the bf16 all-gathers of before, and a note saying so
+        off = rank["bf16_gather"]["reports"][0]["notes"]
+        assert ("collectives in the forward: all_gather_into_tensor x2 (64.00 KiB out), "
+                "reduce_scatter_tensor x2 (32.00 KiB out)") in off
+        assert ("fp8 all-gather: not for self_attn.q_proj: input: off (fp8_all_gather=False): "
+                "the all-gather moves bfloat16, quantized after it") in off
+        assert ("fp8 under tensor parallelism: all-gathers that move bfloat16 are quantized "
+                "after the collective (the fp8 all-gather notes say why), so a gathered input "
+                "has one scale, the same on every rank; no amax is reduced across ranks there: "
+                "a weight shard or a row-parallel input scales by this rank's shard") in off
         assert FSDP_FP8_NOTE not in notes
+
+
+def test_fp8_all_gather_is_bit_identical_to_quantizing_after_a_bf16_all_gather(tp):
+    """TP+SP FP8 with the FP8 all-gather (each rank quantizes its sequence shard with the group's
+    amax, the all-gather moves the FP8 bytes; forward inputs and backward gradients) against
+    fp8_all_gather=False (the bf16 sequence gathered, then quantized whole): the block's output,
+    input gradient and every weight gradient are the same bits on each rank."""
+    ranks, _ = tp
+    for r, rank in enumerate(ranks):
+        on, off = rank["unoptimised"], rank["bf16_gather"]
+        for key in ("out", "x_grad"):
+            assert torch.equal(on[key], off[key]), (r, key)
+        _assert_equal(on["grads"], off["grads"], f"fp8 all-gather on vs off, rank {r}")
+        saved = {report["activation_bytes"] for report in (on["reports"][0], off["reports"][0])}
+        assert len(saved) == 1, saved  # the same saved bytes (the gathered FP8 copies)
 
 
 @pytest.mark.parametrize("plan", ["planner", "mlp"])
@@ -271,12 +310,17 @@ def test_memory_passes_on_a_tp_sharded_block_are_bit_identical(tp, plan):
         _assert_equal(rank[plan]["grads"], rank["unoptimised"]["grads"], f"{plan} rank {r}")
         (report,) = rank[plan]["reports"]
         ran = {"planner": ["recomputed: layernorm in backward: input_layernorm, "
-                           "post_attention_layernorm", "recomputed: act in backward: mlp"],
+                           "post_attention_layernorm", "recomputed: act in backward: mlp",
+                           # save_original="always" on a gathered input: no bf16 original left
+                           "fp8 all-gather: mlp.gate_proj: input, forward: quantized before the "
+                           "all-gather with the group's amax (all-reduce max), the all-gather "
+                           "moves FP8 bytes; save_original: the backward transposes the gathered "
+                           "FP8 copy (no high-precision original is gathered)"],
                # recomputing the MLP re-runs its input's all-gather of the sequence in the
-               # backward (as Megatron's recompute does under sequence parallelism): the report
-               # counts a third all-gather there
+               # backward (as Megatron's recompute does under sequence parallelism), in FP8 with
+               # its amax all-reduce: the report counts a third all-gather there
                "mlp": ["recomputed: mlp in backward: mlp, mlp.down_proj, mlp.gate_proj, mlp.up_proj",
-                       "collectives in the backward: all_gather_into_tensor x3 (96.00 KiB out), "
-                       "reduce_scatter_tensor x2 (32.00 KiB out)"]}[plan]
+                       "collectives in the backward: all_gather_into_tensor x3 (48.00 KiB out), "
+                       "all_reduce x3 (12 B out), reduce_scatter_tensor x2 (32.00 KiB out)"]}[plan]
         for note in ran:
             assert note in report["notes"], (note, report["notes"])

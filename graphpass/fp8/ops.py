@@ -65,6 +65,30 @@ quantize = torch.library.custom_op("graphpass::quantize", _quantize_op, mutates_
 quantize.register_fake(_quantize_fake)
 
 
+# FP8 all-gather (passes/fp8_all_gather.py): each rank's amax, reduced over the group by the
+# graph's all-reduce, then each rank quantizes its shard with the group's amax.
+@torch.library.custom_op("graphpass::amax", mutates_args=())
+def amax(x: Tensor) -> Tensor:
+    """The fp32 amax of ``x`` as tensorwise scaling reads it (NaN ignored), shape ()."""
+    return recipes.tensor_amax(x)
+
+
+@amax.register_fake
+def _(x):
+    return x.new_empty((), dtype=torch.float32)
+
+
+def _quantize_amax(x: Tensor, amax: Tensor, recipe: str, role: str) -> list[Tensor]:
+    """The rowwise tensorwise quantization of a 2-D ``x`` scaled by ``amax`` (not ``x``'s own):
+    ``[data, scale_inv]``."""
+    return list(recipes.quantize(x, recipe, role, amax=amax))
+
+
+quantize_amax = torch.library.custom_op("graphpass::quantize_amax", _quantize_amax,
+                                        mutates_args=())
+quantize_amax.register_fake(_quantize_amax)  # plain tensor arithmetic: exact on fake tensors
+
+
 # FP8 GEMMs are TN-only (cuBLASLt on Hopper, TE): both operands row-major, K contiguous. Under
 # Inductor an inlined quantize may write its FP8 copy in its input's stride order (a transposed
 # gradient's), so the GEMM asks Inductor for its inputs in the strides of the traced graph, where
@@ -120,3 +144,5 @@ def _gemm_flops(a_shape, a_scale_shape, b_shape, *args, out_shape=None, **kwargs
 # The graph ops, for passes that insert or match them (importing this module registers them).
 QUANTIZE = torch.ops.graphpass.quantize.default
 FP8_GEMM = torch.ops.graphpass.fp8_gemm.default
+AMAX = torch.ops.graphpass.amax.default
+QUANTIZE_AMAX = torch.ops.graphpass.quantize_amax.default

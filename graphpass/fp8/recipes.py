@@ -83,6 +83,7 @@ __all__ = [
     "float_to_e8m0",
     "e8m0_to_float",
     "quantize",
+    "tensor_amax",
     "dequantize",
     "qdq",
 ]
@@ -291,12 +292,22 @@ def _untile(t: torch.Tensor, m: int, k: int) -> torch.Tensor:
     return t.reshape(mb * bm, kb * bk)[:m, :k]
 
 
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 amax of a whole tensor, NaN ignored, 0 for an empty one: what tensorwise scaling
+    reads. The max of the amaxes of a tensor's parts is the amax of the whole, exactly (max is
+    exact and order-free), so parts quantized with ``quantize(part, ..., amax=that max)`` are
+    bit-identical to the whole quantized at once (TE's amax reduction over a group)."""
+    x32 = x.to(torch.float32)
+    return _abs_amax(x32, tuple(range(x32.dim()))) if x32.numel() else x32.new_zeros(())
+
+
 def quantize(
     x: torch.Tensor,
     recipe: Recipe | str,
     role: Role,
     *,
     columnwise: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D fp32/bf16/fp16 ``x`` of shape (M, K) as TE does; returns (data, scale_inv).
 
@@ -304,6 +315,9 @@ def quantize(
     ``x.t()``, data (K, M), blocks along M. Scale shapes and dtypes: see the module docstring.
     All arithmetic is fp32 on the upcast input, as in TE's kernels (§5: ``q = fp8(x·scale)``,
     ``scale_inv = 1/scale``; mxfp8: ``q = fp8(x·2**(127-e))``).
+
+    ``amax`` (tensorwise only): the fp32 amax to scale by instead of ``x``'s own, e.g. the max
+    over a process group of each rank's ``tensor_amax`` (TE's ``with_amax_reduction``).
     """
     recipe = _as_recipe(recipe)
     dtype = fp8_dtype(recipe, role)
@@ -321,9 +335,12 @@ def quantize(
     fmax = fp8_max(dtype)
     block = block_shape(recipe, role)
 
+    if amax is not None and block is not None:
+        raise ValueError(f"a given amax scales one whole tensor: tensorwise only, not {recipe.name}")
     if block is None:
         # amax() rejects empty tensors; TE's amax kernel starts from 0.
-        amax = _abs_amax(x32, (0, 1)) if x32.numel() else x32.new_zeros(())
+        if amax is None:
+            amax = _abs_amax(x32, (0, 1)) if x32.numel() else x32.new_zeros(())
         scale = compute_scale_from_amax(
             amax, fmax, power_2_scales=recipe.power_2_scales, amax_epsilon=recipe.amax_epsilon
         )

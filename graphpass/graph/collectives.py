@@ -50,19 +50,27 @@ FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
 
 
 def fp8_distributed_notes(fw: fx.GraphModule, bw: fx.GraphModule, *, fsdp: bool) -> list[Decision]:
-    """What graphpass does not do for FP8 in a distributed graph (docs/distributed.md): no FP8
-    all-gather (FSDP2's weights, sequence-parallel inputs), no amax reduced across ranks."""
+    """FP8 in a distributed graph (docs/distributed.md): where the all-gathers quantize (before
+    the collective with a group amax, or after it), and what graphpass does not do (FP8
+    all-gather of FSDP2's weights, amaxes reduced over data-parallel ranks or weight shards)."""
     notes = [FSDP_FP8] if fsdp else []
-    moved = sorted({str(node.meta["val"].dtype).removeprefix("torch.")
-                    for gm in (fw, bw) for node in gm.graph.nodes
-                    if node.op == "call_function"
-                    and getattr(node.target, "__name__", "").startswith("all_gather_into_tensor")
-                    and isinstance(node.meta.get("val"), torch.Tensor)})
-    if moved:
+    moved = {node.meta["val"].dtype
+             for gm in (fw, bw) for node in gm.graph.nodes
+             if node.op == "call_function"
+             and getattr(node.target, "__name__", "").startswith("all_gather_into_tensor")
+             and isinstance(node.meta.get("val"), torch.Tensor)}
+    high = sorted(str(d).removeprefix("torch.") for d in moved if d.is_floating_point)
+    if torch.uint8 in moved:  # passes/fp8_all_gather.py: FP8 bytes, as uint8
         notes.append(Decision(What.FP8_DISTRIBUTED, "fp8", (
-            f"tensor parallelism: quantizes run after the all-gathers, which move "
-            f"{', '.join(moved)} (FP8 all-gather of sequence-parallel inputs, as Transformer "
-            "Engine does, is not supported), so a gathered input has one scale, the same on every "
-            "rank; no amax is reduced across ranks: a weight shard or a row-parallel input "
-            "scales by this rank's shard")))
+            "tensor parallelism: sequence-parallel inputs and gradients are quantized before "
+            "their all-gathers, with the amax reduced (max) over the group as Transformer Engine "
+            "does, and the all-gathers move FP8 bytes (uint8), so a gathered tensor has one "
+            "scale, the same on every rank; a weight shard or a row-parallel input scales by "
+            "this rank's shard")))
+    if high:
+        notes.append(Decision(What.FP8_DISTRIBUTED, "fp8", (
+            f"tensor parallelism: all-gathers that move {', '.join(high)} are quantized after "
+            "the collective (the fp8 all-gather notes say why), so a gathered input has one "
+            "scale, the same on every rank; no amax is reduced across ranks there: a weight "
+            "shard or a row-parallel input scales by this rank's shard")))
     return notes

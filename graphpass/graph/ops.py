@@ -60,3 +60,13 @@ SCATTERS = frozenset({"aten.index_put", "aten._unsafe_index_put", "aten.index_ad
                       "aten.scatter_add", "aten.embedding_dense_backward"})
 # Substrings of the ops that make or replay RNG states.
 RNG_MARKERS = ("rng", "seed", "philox")
+# torch's functional collectives (tensor/sequence parallel graphs): the all-gather, the wait
+# that completes any collective, and the layout ops DTensor puts between an all-gather along dim
+# 0 and its user (a gather along another dim is a split and a cat), each keeping every element.
+COLLECTIVE_GATHERS = frozenset({"_c10d_functional.all_gather_into_tensor"})
+COLLECTIVE_WAITS = frozenset({"_c10d_functional.wait_tensor"})
+GATHER_LAYOUT = frozenset({
+    "aten.view", "aten.reshape", "aten._unsafe_view", "aten.alias", "aten.permute", "aten.t",
+    "aten.transpose", "aten.clone", "aten.contiguous", "aten.split", "aten.split_with_sizes",
+    "aten.cat",
+})
