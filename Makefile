@@ -19,6 +19,8 @@ VENV := .venv-$(TORCH)
 endif
 PY     := $(VENV)/bin/python
 # Workers for the suite: pytest-xdist's -n (auto: one per CPU core); PYTEST_WORKERS=0 runs serially.
+# --dist worksteal: an idle worker takes queued tests from a busy one, so the few minute-long
+# tests (Inductor compiles, training runs) do not leave one core idle at the end.
 PYTEST_WORKERS ?= auto
 MODEL ?= llama
 FP8 ?= tensorwise
@@ -40,7 +42,7 @@ demo: setup
 	$(PY) -m graphpass report --model $(MODEL) --size real --fp8 $(FP8)
 
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
 bench: setup
 	$(PY) benchmarks/memory.py
