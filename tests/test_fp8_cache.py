@@ -220,3 +220,25 @@ def test_reuses_the_lowerings_columnwise_copy():
     assert not [r for r in report.rows if "scaled_dot_product" in r.op and len(r.shape) == 4]
     cached_sources = [r.copy_of for r in report.rows if r.op == "graphpass.cache_quantize"]
     assert copy[0].copy_of not in cached_sources
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt", "deepseek"])
+def test_every_saved_activation_is_cached_or_named_in_a_note(model):
+    """Never silent: under ``all`` with no minimum size, every saved floating activation is an
+    FP8 cache row or named in a ``not cached`` note. On the tiny GPT, torch's min-cut of the
+    cached graph saves the final LayerNorm's output exact (``mul_10``) and runs a backward node
+    (``div``, the statistic over the width) in the forward: both are notes, not silence."""
+    import importlib
+
+    module = importlib.import_module(f"examples.{model}")
+    net, inputs = module.build("tiny", layers=1, seq=64)
+    report = graphpass.plan(net, *inputs, config=graphpass.Config(fp8_cache="all",
+                                                                  fp8_cache_min_bytes=0))
+    noted = " ".join(n for n in report.notes if n.startswith("fp8 cache: not cached: "))
+    silent = [r.name for r in report.rows
+              if r.kind not in ("parameter", "fp8_scale") and r.dtype.startswith(("float", "bfloat"))
+              and not r.dtype.startswith("float8") and not r.decision.startswith("fp8 cache (lossy)")
+              and f"not cached: {r.name} in " not in noted]
+    assert not silent, (silent, report.notes)
+    if model == "gpt":
+        assert "fp8 cache: not cached: mul_10 in norm: torch's min-cut of the cached graph saves it exact" in report.notes

@@ -67,6 +67,31 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         _read_in_backward(graph, cached, recomputed, plan)
     graph.lint()
     joint.recompile()
+    if cached:
+        _still_exact(joint, plan, config)
+
+
+def _still_exact(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+    """Never silent: torch's min-cut of the rewritten graph may still save, exact, a tensor the
+    level selects (on the tiny GPT under ``all``, the final LayerNorm's output and statistic:
+    the backward reads them again after the rewrite). Each one is a note; the cache does not
+    chase it (a second rewrite could move the cut again)."""
+    saved, _ = plan.exact_partition(joint)
+    if config.fp8_cache == "all":  # backward nodes that read no gradient, run in the forward
+        for node in saved:
+            if (is_backward(node) and tensor_val(node) is not None and not _not_cacheable(node, plan)
+                    and _nbytes(node) >= config.fp8_cache_min_bytes):
+                plan.decide(Decision(What.NOT_CACHED, BY, (
+                    f"{node.name} in {module_path(node) or '<root>'}: a backward node (it reads no "
+                    "gradient) that torch's min-cut runs in the forward; the cache takes forward "
+                    "tensors only"), module_path(node), node.name))
+    for node in _select(joint, saved, config.fp8_cache, plan.parameters):
+        if (facts(node).cached is not None or _not_cacheable(node, plan)
+                or _nbytes(node) < config.fp8_cache_min_bytes):  # noted above
+            continue
+        plan.decide(Decision(What.NOT_CACHED, BY, (
+            f"{node.name} in {module_path(node) or '<root>'}: torch's min-cut of the cached "
+            "graph saves it exact"), module_path(node), node.name))
 
 
 def _select(joint: fx.GraphModule, saved: list[fx.Node], level: str,
