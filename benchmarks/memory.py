@@ -2,12 +2,20 @@
 
     python benchmarks/memory.py                    # llama, gpt, deepseek at real size, tensorwise
     python benchmarks/memory.py --markdown         # the table for docs/numbers.md
+    python benchmarks/memory.py --cache            # + the FP8 activation cache and torch's pass
 
 Per layer and policy it prints the bytes the forward saves for the backward (parameters and
 their views excluded, each storage counted once) and the recompute the policy adds, as a share
 of the step's FLOPs. No GPU is needed: ``graphpass.plan`` traces and partitions under fake
 tensors. The "lower bound" is torch's min-cut when every op but GEMMs, attention and random ops
 may be recomputed, with no recompute budget: no plan that keeps those ops saved saves less.
+
+``--cache`` adds the lossy rows (issue 12): graphpass auto with ``fp8_cache`` at each level, and
+torch's own activation quantization (``post_grad_fusion_options["activation_quantization_aten_pass"]``
+with all sizes, e5m2, scaled), alone (behind torch's default partitioner, bf16) and behind
+graphpass's exact plan. torch's pass runs inside the min-cut partitioner, so it works under fake
+tensors too; its nodes carry no module path, so its rows have no inside-the-layer bytes. The
+"in layer" column is the layer's own bytes (``layers.0``) in units of seq*hidden bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
 
 import graphpass  # noqa: E402
 from graphpass.report import format_bytes  # noqa: E402
@@ -43,10 +53,21 @@ class Result:
     note: str = ""
     fp8_coverage: float | None = None
     """Share of the step's GEMM FLOPs that run as FP8 GEMMs (None without fp8)."""
+    in_layer: float | None = None
+    """Bytes saved inside the layer (``layers.0``), in seq*hidden bytes (None: not attributed)."""
 
 
-def policies(model: str, fp8: str) -> dict[str, dict]:
-    return {
+# torch's own activation quantization (torch/_functorch/partitioners.py): every saved tensor of
+# an allowed dtype over size_in_mb cast to float8_e5m2, scaled by one amax per row of its last
+# dimension, after the min-cut.
+TORCH_AQ = {"size_in_mb": 0, "use_scaling": True, "quant_type": "torch.float8_e5m2",
+            "allowed_dtypes": "torch.bfloat16;torch.float32"}
+TORCH_AQ_KEY = "torch activation quantization"
+CACHE_LEVELS = ("act_input", "attn", "layer_input", "all")
+
+
+def policies(model: str, fp8: str, cache: bool = False) -> dict[str, dict]:
+    exact = {
         "bf16, torch default partitioner": dict(memory="default"),
         "FP8, torch default partitioner": dict(fp8=fp8, save_original="never", memory="default"),
         "torchao float8 + torch.compile": None,  # planned separately below
@@ -56,6 +77,20 @@ def policies(model: str, fp8: str) -> dict[str, dict]:
         "graphpass auto": dict(fp8=fp8),
         "lower bound": dict(fp8=fp8, recompute_budget=None),
     }
+    if not cache:
+        return exact
+    lossy = {f"graphpass auto + fp8_cache={level}": dict(fp8=fp8, fp8_cache=level)
+             for level in CACHE_LEVELS}
+    lossy["torch's activation quantization (bf16, torch default partitioner)"] = dict(
+        memory="default", **{TORCH_AQ_KEY: True})
+    lossy["graphpass auto + torch's activation quantization"] = dict(fp8=fp8, **{TORCH_AQ_KEY: True})
+    return {**exact, **lossy}
+
+
+def _in_layer(model_name: str, report) -> float | None:
+    config = importlib.import_module(f"examples.{model_name}").SIZES["real"]
+    inside = report.bytes_by_layer().get("layers.0")
+    return None if inside is None else inside / (config.seq * config.batch * config.hidden)
 
 
 def plan(model_name: str, size: str, cfg: dict | None) -> Result:
@@ -68,19 +103,25 @@ def plan(model_name: str, size: str, cfg: dict | None) -> Result:
             return Result("torchao float8 + torch.compile", None, None, "torchao not installed")
         convert_to_float8_training(model, module_filter_fn=lambda m, fqn: not fqn.endswith("gate"))
         cfg = dict(memory="default")
-    report = graphpass.plan(model, *inputs, config=graphpass.Config(**cfg))
+    cfg = dict(cfg)
+    torch_aq = cfg.pop(TORCH_AQ_KEY, False)
+    options = {"activation_quantization_aten_pass": TORCH_AQ} if torch_aq else {}
+    with torch._inductor.config.patch(post_grad_fusion_options=options):
+        report = graphpass.plan(model, *inputs, config=graphpass.Config(**cfg))
     share = report.meta["recompute_flops"] / report.meta["step_flops"]
     coverage = report.meta.get("fp8_coverage", {}).get("fp8_share")
-    return Result("", report.activation_bytes, share, fp8_coverage=coverage)
+    in_layer = None if torch_aq or size != "real" else _in_layer(model_name, report)
+    return Result("", report.activation_bytes, share, fp8_coverage=coverage, in_layer=in_layer)
 
 
-def run(models: list[str], size: str, fp8: str) -> dict[str, list[Result]]:
+def run(models: list[str], size: str, fp8: str, cache: bool = False) -> dict[str, list[Result]]:
     results: dict[str, list[Result]] = {}
     for model in models:
         results[model] = []
-        for i, (name, cfg) in enumerate(policies(model, fp8).items()):
+        chosen = policies(model, fp8, cache)
+        for i, (name, cfg) in enumerate(chosen.items()):
             start = time.perf_counter()
-            print(f"[{model} {i + 1}/6] {name} ...", file=sys.stderr, end="", flush=True)
+            print(f"[{model} {i + 1}/{len(chosen)}] {name} ...", file=sys.stderr, end="", flush=True)
             result = plan(model, size, cfg)
             result.policy = name
             print(f" {time.perf_counter() - start:.1f}s", file=sys.stderr)
@@ -90,17 +131,18 @@ def run(models: list[str], size: str, fp8: str) -> dict[str, list[Result]]:
 
 def table(results: dict[str, list[Result]], *, markdown: bool) -> str:
     head = ("layer", "policy", "saved activations", "vs bf16", "recompute (% step FLOPs)",
-            "FP8 GEMM FLOPs")
+            "FP8 GEMM FLOPs", "in layer (seq*hidden B)")
     rows = []
     for model, res in results.items():
         bf16 = res[0].bytes
         for r in res:
             if r.bytes is None:
-                rows.append((model, r.policy, r.note, "", "", ""))
+                rows.append((model, r.policy, r.note, "", "", "", ""))
                 continue
             cov = "-" if r.fp8_coverage is None else f"{r.fp8_coverage:.1%}"
+            inside = "-" if r.in_layer is None else f"{r.in_layer:.2f}"
             rows.append((model, r.policy, f"{format_bytes(r.bytes)} ({r.bytes:,} B)",
-                         f"{r.bytes / bf16 - 1:+.1%}", f"{r.recompute:.3%}", cov))
+                         f"{r.bytes / bf16 - 1:+.1%}", f"{r.recompute:.3%}", cov, inside))
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -130,17 +172,49 @@ def check(results: dict[str, list[Result]]) -> list[str]:
     return lines
 
 
+def check_cache(results: dict[str, list[Result]]) -> list[str]:
+    """The byte targets of issue 12 (the FP8 activation cache), each as a PASS/FAIL line."""
+    lines = []
+    for model, res in results.items():
+        by = {r.policy: r for r in res}
+        if "graphpass auto + fp8_cache=all" not in by:
+            continue
+        all_ = by["graphpass auto + fp8_cache=all"]
+        checks = []
+        if model == "llama":
+            act = by["graphpass auto + fp8_cache=act_input"]
+            torch_aq = by["graphpass auto + torch's activation quantization"]
+            checks += [
+                (f"act_input <= 16.1 seq*hidden B in the layer ({act.in_layer:.2f})",
+                 act.in_layer is not None and act.in_layer <= 16.1),
+                (f"all <= 12.0 seq*hidden B in the layer ({all_.in_layer:.2f})",
+                 all_.in_layer is not None and all_.in_layer <= 12.0),
+                (f"torch's pass behind graphpass's exact plan saves more than all "
+                 f"({torch_aq.bytes:,} B vs {all_.bytes:,} B; whole graph: torch's nodes have "
+                 "no module path)", torch_aq.bytes > all_.bytes),
+            ]
+        else:
+            lb = by["lower bound"].bytes
+            checks.append((f"all >= 40% below the exact lower bound ({all_.bytes / lb - 1:+.1%})",
+                           all_.bytes <= 0.6 * lb))
+        lines += [f"{model}: {'PASS' if ok else 'FAIL'} {text}" for text, ok in checks]
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["llama", "gpt", "deepseek"])
     p.add_argument("--size", default="real")
     p.add_argument("--fp8", default="tensorwise", choices=["tensorwise", "blockwise", "mxfp8"])
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--cache", action="store_true",
+                   help="add the FP8 activation cache's levels and torch's activation quantization")
     args = p.parse_args()
-    results = run(args.models, args.size, args.fp8)
+    results = run(args.models, args.size, args.fp8, args.cache)
     print(table(results, markdown=args.markdown))
     print()
-    print("\n".join(("- " if args.markdown else "") + line for line in check(results)))
+    lines = check(results) + (check_cache(results) if args.cache and args.size == "real" else [])
+    print("\n".join(("- " if args.markdown else "") + line for line in lines))
 
 
 if __name__ == "__main__":

@@ -467,6 +467,13 @@ def set_partition_side(node: fx.Node, side: str) -> None:
     node.meta["partitioner_tag"] = side
 
 
+def is_non_overlapping_and_dense(val: torch.Tensor) -> bool:
+    """Whether a tensor's elements fill its storage span once each (no expanded view)."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    return bool(dense(val))
+
+
 def offloaded_source(node: fx.Node) -> fx.Node | None:
     """The tensor a node of torch's activation offloading (``cpu_offload_<name>``, a
     ``prims.device_put`` to the host) moves to the host, or None for any other node."""

@@ -18,6 +18,11 @@ RecomputeMethod = Literal["uniform", "block"]
 RecomputeModule = Literal["layernorm", "act", "moe_act", "core_attn", "mlp", "moe", "shared_experts",
                           "mla_up_proj", "full"]
 RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
+# Which saved activations the FP8 activation cache stores in FP8 between forward and backward.
+FP8Cache = Literal[None, "act_input", "attn", "layer_input", "all"]
+# How: E4M3 with one fp32 scale per 1x128 block (``_pow2``: scales rounded down to powers of
+# two, as DeepSeek-V3), or one scale per tensor in E4M3 or E5M2 (torch's own pass's format).
+FP8CacheFormat = Literal["e4m3_1x128_pow2", "e4m3_1x128", "e4m3_tensor", "e5m2_tensor"]
 
 @dataclass(frozen=True)
 class Config:
@@ -107,6 +112,22 @@ class Config:
     offload_exclude: tuple[str, ...] = ()
     """Module-path or op patterns (``"layers.0.*"``, ``"aten.mm"``) never offloaded (opt-out)."""
 
+    fp8_cache: FP8Cache = None
+    """Lossy, opt-in: store saved activations in FP8 between forward and backward (after the
+    exact passes, of what they still save). ``"act_input"``: inputs of activation functions
+    (SwiGLU's gate and up, GELU's input); ``"attn"``: attention's saved inputs and output;
+    ``"layer_input"``: residual-stream tensors saved for norms; ``"all"``: every saved floating
+    activation. The backward reads the dequantized value; the forward the exact one."""
+
+    fp8_cache_format: FP8CacheFormat = "e4m3_1x128_pow2"
+    """The FP8 activation cache's format: ``"e4m3_1x128_pow2"`` (one power-of-two scale per
+    1x128 block along the last dimension, stored as an E8M0 byte: DeepSeek-V3's activations),
+    ``"e4m3_1x128"`` (the same with fp32 scales), ``"e4m3_tensor"`` or ``"e5m2_tensor"`` (one
+    scale per tensor)."""
+
+    fp8_cache_min_bytes: int = 1 << 16
+    """Saved activations smaller than this stay in their dtype under ``fp8_cache``."""
+
     @property
     def memory_policy(self) -> str:
         return self.memory or ("auto" if self.fp8 else "default")
@@ -139,7 +160,8 @@ class Config:
             _patterns(self, name)
         for item in self.recompute:
             _choice("recompute", item, RECOMPUTE_MODULES)
-        for name in ("fp8_min_gemm_flops", "recompute_num_layers", "offload_min_bytes"):
+        for name in ("fp8_min_gemm_flops", "recompute_num_layers", "offload_min_bytes",
+                     "fp8_cache_min_bytes"):
             _type(name, getattr(self, name), int)
         if self.recompute_num_layers < 1:
             raise ValueError(f"invalid graphpass option recompute_num_layers="
@@ -153,7 +175,7 @@ class Config:
         _type("offload", self.offload, bool)
         if self.offload_stream is not None:
             _type("offload_stream", self.offload_stream, bool)
-        for name in ("fp8_min_gemm_flops", "offload_min_bytes"):
+        for name in ("fp8_min_gemm_flops", "offload_min_bytes", "fp8_cache_min_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"invalid graphpass option {name}={getattr(self, name)}; "
                                  "expected a count of 0 or more")
@@ -236,6 +258,10 @@ def _combinations(config: Config) -> None:
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
         ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),
+        ("fp8_cache_format", config.fp8_cache is not None, "fp8_cache='act_input' (or another "
+                                                           "level)"),
+        ("fp8_cache_min_bytes", config.fp8_cache is not None, "fp8_cache='act_input' (or another "
+                                                              "level)"),
         ("recompute_include", bool(config.recompute), "a recompute selection such as "
                                                        "recompute=('core_attn',)"),
     ]

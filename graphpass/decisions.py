@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch.fx as fx
 
@@ -34,6 +34,9 @@ class What(enum.Enum):
     FP8_ALL_GATHER = "fp8 all-gather: {module}: {why}"
     NOT_FP8_ALL_GATHER = "fp8 all-gather: not for {module}: {why}"
     REQUANTIZED = "save original: {module} re-quantizes its saved input in the backward"
+    # the FP8 activation cache (lossy, opt-in)
+    FP8_CACHED = "fp8 cache (lossy): {why}"
+    NOT_CACHED = "fp8 cache: not cached: {why}"
     # recompute and the planner
     SELECTED = "{by}: {why}"
     OVERRULED = "{by}: kept your checkpoint policy {why}"
@@ -93,6 +96,17 @@ class Quantized:
 
 
 @dataclass(frozen=True)
+class Cached:
+    """A node of the FP8 activation cache's quantize (its data or its scale): which saved
+    activation it stores, in what dtype it was, and in which format (``fp8_cache_format``)."""
+
+    source: fx.Node
+    """The joint-graph node whose value is cached."""
+    dtype: str
+    fmt: str
+
+
+@dataclass(frozen=True)
 class NodeFacts:
     """What the passes know and decided about one joint-graph node (``node.meta[FACTS]``).
 
@@ -108,6 +122,8 @@ class NodeFacts:
     recompute: Decision | None = None
     """``RECOMPUTED`` for a node a recompute selection tagged, ``SAVED`` for one kept saved."""
     offload: Decision | None = None
+    cached: Cached | None = None
+    """For the FP8 activation cache's data and scale: what they store."""
 
 
 FACTS = "graphpass"
@@ -133,6 +149,10 @@ class Plan:
     parameters: set[fx.Node] = field(default_factory=set)
     """The primals torch treats as parameters or buffers (static inputs)."""
     decisions: list[Decision] = field(default_factory=list)
+    exact_partition: Callable[[fx.GraphModule], tuple[list[fx.Node], set[fx.Node]]] | None = None
+    """The min-cut of a copy of the joint graph as the passes so far tagged it: the joint nodes
+    it saves and the forward nodes it recomputes in the backward (set by the pipeline; the FP8
+    activation cache caches what the exact plan saves)."""
 
     def decide(self, decision: Decision, *, once: bool = False) -> None:
         """Record a decision for the report; with ``once``, unless an equal one is there already

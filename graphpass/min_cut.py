@@ -37,12 +37,8 @@ def min_cut(
     """torch's min-cut of ``joint`` (``partitioner_args``: ``num_fwd_outputs``,
     ``static_lifetime_input_indices``, ``compiler``); ``saved`` reports what a partition saves,
     to weigh the two plans where random ops are selected for recompute."""
-    on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in plan.primals)
-
     def partition(graph: fx.GraphModule) -> Partitioned:
-        with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
-                                      offload_stream=config.offload_on_stream and on_cuda):
-            return _compat.min_cut_partition(graph, joint_inputs, **partitioner_args)
+        return _partition(graph, joint_inputs, plan=plan, config=config, **partitioner_args)
 
     random = random_recomputes(joint)
     if not random:
@@ -61,11 +57,55 @@ def min_cut(
     return kept
 
 
-def _keeping_saved(joint: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
-    """A copy of the joint graph (metadata copied per node) with ``nodes`` kept saved."""
+def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan, config: Config,
+               **partitioner_args: Any) -> Partitioned:
+    on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in plan.primals)
+    with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
+                                  offload_stream=config.offload_on_stream and on_cuda):
+        return _compat.min_cut_partition(graph, joint_inputs, **partitioner_args)
+
+
+_JOINT_NODE = "graphpass_joint_node"
+
+
+def exact_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan,
+                    config: Config, **partitioner_args: Any
+                    ) -> tuple[list[fx.Node], set[fx.Node]]:
+    """torch's min-cut of a copy of ``joint`` as tagged so far: the joint nodes the forward
+    saves, and the joint forward nodes the backward recomputes (``Plan.exact_partition``).
+    Each joint node is found through a metadata key, which torch copies into both graphs."""
+    for node in joint.graph.nodes:
+        node.meta[_JOINT_NODE] = node
+    try:
+        fw, bw = _partition(_copy(joint), joint_inputs, plan=plan, config=config,
+                            **partitioner_args)
+    finally:
+        for node in joint.graph.nodes:
+            node.meta.pop(_JOINT_NODE, None)
+    outputs = fw.graph.find_nodes(op="output")[0].args[0]
+    num_fwd_outputs = partitioner_args["num_fwd_outputs"]
+    saved = [n.meta[_JOINT_NODE] for n in outputs[num_fwd_outputs:]
+             if isinstance(n, fx.Node) and _JOINT_NODE in n.meta]
+    recomputed = {n.meta[_JOINT_NODE] for n in bw.graph.nodes
+                  if n.op == "call_function" and _JOINT_NODE in n.meta
+                  and _compat.partition_side(n.meta[_JOINT_NODE]) != "is_backward"}
+    return saved, recomputed
+
+
+def _copy(joint: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the joint graph, metadata copied per node."""
     graph = fx.Graph()
     graph._codegen = joint.graph._codegen
     graph.output(graph.graph_copy(joint.graph, {}))
+    copy = fx.GraphModule(joint, graph)
+    copy.meta.update(joint.meta)
+    return copy
+
+
+def _keeping_saved(joint: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
+    """A copy of the joint graph (metadata copied per node) with ``nodes`` kept saved."""
+    copy = _copy(joint)
+    graph = copy.graph
     # a multi-output op is saved through its getitems (torch saves tensors, not tuples)
     names = {n.name for n in nodes} | {u.name for n in nodes for u in n.users
                                         if u.target is operator.getitem}
@@ -73,6 +113,4 @@ def _keeping_saved(joint: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModul
         if node.name in names:
             tag(node, CheckpointPolicy.MUST_SAVE, Decision(
                 What.SAVED, "recompute", "recomputing it would save more", node=node.name))
-    copy = fx.GraphModule(joint, graph)
-    copy.meta.update(joint.meta)
     return copy

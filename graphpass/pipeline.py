@@ -12,9 +12,10 @@ import torch.fx as fx
 from . import _compat
 from .config import Config, given
 from .decisions import Plan
-from .min_cut import min_cut
+from .min_cut import exact_partition, min_cut
 from .passes.canonicalize import canonicalize
 from .passes.fp8_all_gather import fp8_all_gather
+from .passes.fp8_cache import fp8_cache
 from .passes.lower_fp8 import lower_fp8
 from .passes.offload import offload
 from .passes.plan_memory import plan_memory
@@ -28,7 +29,9 @@ __all__ = ["PASSES", "Partition", "last_report", "partition", "run"]
 # Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and records the
 # decisions a user should see; listed in the order they run.
 PASSES: tuple[Callable[[fx.GraphModule, Plan, Config], None], ...] = (
-    canonicalize, lower_fp8, save_original, fp8_all_gather, recompute, offload, plan_memory)
+    canonicalize, lower_fp8, save_original, fp8_all_gather, recompute, offload, plan_memory,
+    # lossy and opt-in: after the exact passes, FP8 copies of what their plan still saves
+    fp8_cache)
 
 
 class Partition(NamedTuple):
@@ -81,6 +84,9 @@ def run(
     # Positions among the primals: a DTensor parameter flattens into several (torch 2.13+).
     static = _compat.static_primal_positions(primals, list(static_lifetime_input_indices or []))
     plan = Plan(primals=primals, parameters={primals[i] for i in static})
+    plan.exact_partition = lambda graph: exact_partition(
+        graph, joint_inputs, plan=plan, config=config, num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static, compiler=compiler)
     with _compat.assumed_sizes() as assumed:  # unbacked sizes that got a hint: a report note
         for graph_pass in PASSES:
             graph_pass(joint, plan, config)

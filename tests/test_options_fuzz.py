@@ -37,6 +37,7 @@ FIELDS = {
     "offload_stream": st.one_of(st.none(), st.booleans()),
     "offload_min_bytes": st.integers(-5, 1 << 22),
     "offload_exclude": st.lists(st.sampled_from(["aten.mm", "layers.0.*"]), max_size=2),
+    "fp8_cache_min_bytes": st.integers(-5, 1 << 20),
 }
 OPTIONS = st.dictionaries(
     st.sampled_from([*FIELDS, "fp8_recipe", "recompute_modules"]),
@@ -90,6 +91,8 @@ def test_any_options_are_a_backend_or_one_clear_value_error(options):
     ({"recompute_budget": float("inf")}, "recompute_budget=inf; expected a fraction"),
     ({"offload": True, "offload_min_bytes": -1}, "offload_min_bytes=-1; expected a count of 0"),
     ({"fp8_recipe": "tensorwise"}, "unknown graphpass option(s) 'fp8_recipe'; valid options are"),
+    ({"fp8_cache_min_bytes": 0}, "fp8_cache_min_bytes=0 has no effect without fp8_cache='act_input'"),
+    ({"fp8_cache": "activations"}, "invalid graphpass option fp8_cache='activations'; valid values"),
 ])
 def test_invalid_combination_names_the_fix(options, message):
     with pytest.raises(ValueError) as e:

@@ -81,6 +81,7 @@ __all__ = [
     "requires_divisibility",
     "compute_scale_from_amax",
     "float_to_e8m0",
+    "e8m0_to_float",
     "quantize",
     "tensor_amax",
     "dequantize",
@@ -245,6 +246,12 @@ def _e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     """2**(e - 127) in fp32 for int32 ``e``; 0 -> 2**-127 (subnormal), 255 -> NaN (TE ``exp2f``)."""
     bits = torch.where(e == 0, 0x00400000, torch.where(e == 0xFF, 0x7FFFFFFF, e << 23))
     return bits.view(torch.float32)
+
+
+def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    """The fp32 value ``2**(e - 127)`` of uint8 E8M0 bytes (``float_to_e8m0``'s inverse on
+    powers of two)."""
+    return _e8m0_to_float(e.to(torch.int32))
 
 
 def _e8m0_reciprocal(e: torch.Tensor) -> torch.Tensor:

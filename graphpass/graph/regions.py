@@ -44,6 +44,11 @@ def _is_norm(stack: list[tuple[str, type]]) -> bool:
                for path, cls in stack)
 
 
+def in_norm(node: fx.Node) -> bool:
+    """Whether ``node`` belongs to a norm module (``*Norm`` class or ``*norm`` attribute)."""
+    return _is_norm(module_stack(node))
+
+
 def _under(path: str, prefixes: Iterable[str]) -> bool:
     return any(path == p or path.startswith(p + ".") for p in prefixes)
 

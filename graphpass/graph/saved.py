@@ -59,7 +59,10 @@ def saved_rows(
         kind = _kind(node, val, is_param=sid in param_storages)
         offloaded = offloaded_source(node)
         source = offloaded or node
-        path = module_path(source) or normalize_path(input_sources.get(source.name, ""), of_module=False)
+        named = source
+        if facts(node).cached is not None and not module_path(source):  # a cached graph input
+            named = facts(node).cached.source
+        path = module_path(named) or normalize_path(input_sources.get(named.name, ""), of_module=False)
         rows.append(
             Row(
                 name=node.name,
@@ -91,6 +94,11 @@ def _decisions(node: fx.Node) -> tuple[Decision, ...]:
     if known.quantized is not None:
         usage = ", columnwise" if known.quantized.columnwise else ""
         decisions.append(Decision(What.FP8_COPY, "fp8", known.quantized.role + usage, node=node.name))
+    if known.cached is not None:
+        part = "scales" if known.fp8_scale else "data"
+        decisions.append(Decision(What.FP8_CACHED, "fp8_cache", (
+            f"{known.cached.dtype} {known.cached.source.name} as {known.cached.fmt} ({part})"),
+            module_path(node), node.name))
     if known.recompute is not None and known.recompute.what is What.SAVED:
         decisions.append(known.recompute)
     if known.offload is not None:
@@ -109,10 +117,12 @@ def _copy_of(node: fx.Node, saved_origins: dict[str, str]) -> str:
     """For an FP8 copy: the saved row holding the same data in high precision, if any, else the
     name of the tensor it quantizes. Names, not nodes: the source is a joint-graph node, the
     saved values are nodes of the forward module (copies with the same names)."""
-    quantized = facts(node).quantized
-    if quantized is None:
+    known = facts(node)
+    source = (known.quantized.source if known.quantized is not None
+              else known.cached.source if known.cached is not None else None)
+    if source is None:
         return ""
-    return saved_origins.get(_origin(quantized.source).name, quantized.source.name)
+    return saved_origins.get(_origin(source).name, source.name)
 
 
 def _kind(node: fx.Node, val: torch.Tensor, *, is_param: bool) -> str:
