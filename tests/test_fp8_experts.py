@@ -405,3 +405,14 @@ def test_scaled_grouped_mm_matches_the_reference_on_cuda(offsets):
     got = _compiled_token_groups("tensorwise", "scaled_mm", "cuda", offsets)
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
+
+
+def test_fp8_cache_leaves_token_grouped_copies_alone():
+    """fp8_cache reuses the lowering's columnwise copies of plain linears only: a grouped copy
+    (per-group scales) is not one it can dequantize; the step compiles and runs (it raised on
+    the grouped quantize's fifth argument before)."""
+    from test_memory_passes import _compiled_grads
+
+    _, report = _compiled_grads(_TokenRoutedExample, dict(fp8="tensorwise", fp8_cache="all",
+                                                          fp8_cache_min_bytes=0))
+    assert "lowered: mlp.experts (reference/tensorwise)" in report.notes

@@ -197,8 +197,8 @@ def _lowered_copies(joint: fx.GraphModule) -> dict[fx.Node, tuple[fx.Node, fx.No
     ops from the activation to the quantized 2-D input."""
     out = {}
     for q in joint.graph.nodes:
-        if op_name(q) != "graphpass.quantize" or is_backward(q):
-            continue
+        if op_name(q) != "graphpass.quantize" or is_backward(q) or len(q.args) != 4:
+            continue  # a grouped quantize (token-group offsets) has per-group scales: not reused
         x, recipe, role, usage = q.args
         if (role != "input" or usage == "rowwise" or tensor_val(x) is None or tensor_val(x).dim() != 2
                 or _compat.partition_side(q) == "must_be_in_backward"):  # save_original="always"
