@@ -650,3 +650,31 @@ def test_round_trip_relative_error(m, k, center, zero_fraction, dtype, seed):
     assert torch.equal(
         qdq(x, "tensorwise", "input"), qdq(x, "tensorwise", "input", columnwise=True)
     )
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_quantize_op_fake_metadata_equals_the_real_outputs(name):
+    """graphpass::quantize's fake implementation traces the recipe once per input layout and
+    then serves the outputs' metadata from a cache: the first (traced) and second (cached)
+    fake calls, and the real op on real tensors, give the same sizes, strides and dtypes, for
+    every role and usage, contiguous, transposed and 3-D (per expert) inputs."""
+    from graphpass.fp8 import ops
+
+    m, k = (64, 96) if name == "mxfp8" else (128, 256)
+    layouts = [t.to(torch.bfloat16) for t in (torch.randn(m, k), torch.randn(k, m).t(),
+                                              torch.randn(3, m, k))]
+    meta = lambda ts: [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in ts]  # noqa: E731
+    ops._FAKE_OUTPUTS.clear()  # one cache over all cases: a key missing a field serves another's
+    cases = 0
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(x) for x in layouts]
+    for role in ROLES:
+        for usage in ops.USAGES:
+            for x, fx in zip(layouts, fakes):
+                real = meta(torch.ops.graphpass.quantize(x, name, role, usage))
+                with mode:
+                    first = meta(torch.ops.graphpass.quantize(fx, name, role, usage))
+                    second = meta(torch.ops.graphpass.quantize(fx, name, role, usage))
+                assert first == second == real, (role, usage, x.shape, x.stride())
+                cases += 1
+    assert len(ops._FAKE_OUTPUTS) == cases
