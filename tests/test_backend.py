@@ -137,12 +137,15 @@ _CACHE_SCRIPT = textwrap.dedent(
     calls = []
     real = b.run
     b.run = lambda *a, **k: calls.append(1) or real(*a, **k)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
-    cfg = dict(report=sys.argv[1] == "report")
-    out = torch.compile(model, backend=graphpass.backend(**cfg))(torch.randn(4, 16))
-    out.sum().backward()
-    print(len(calls))
+    for mode in sys.argv[1:]:  # a compile per mode, each a fresh dynamo
+        torch._dynamo.reset()
+        calls.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        cfg = dict(report=mode == "report")
+        out = torch.compile(model, backend=graphpass.backend(**cfg))(torch.randn(4, 16))
+        out.sum().backward()
+        print(len(calls))
     """
 )
 
@@ -152,14 +155,16 @@ def test_compile_caches_never_serve_another_configs_partition(tmp_path):
            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
 
-    def partitions(mode):
-        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, mode], env=env,
+    def partitions(*modes):
+        """How many partitions each compile ran, the modes compiled in order in one process."""
+        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, *modes], env=env,
                              capture_output=True, text=True, check=True)
-        return int(out.stdout.split()[-1])
+        return [int(n) for n in out.stdout.split()[-len(modes):]]
 
-    assert partitions("report") == 1  # cold cache
-    assert partitions("report") == 0  # same config, same graphpass: served from the cache
-    assert partitions("no-report") == 1  # another config must partition again
+    assert partitions("report") == [1]  # cold cache
+    # A new process: the same config and graphpass are served from the cache; another config
+    # must partition again.
+    assert partitions("report", "no-report") == [0, 1]
 
 
 def test_dropout_under_eager_codegen_and_plan():

@@ -25,15 +25,16 @@ def _loss_and_grads(model, inputs, fn):
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
 @pytest.mark.parametrize("name", MODELS)
 def test_example_model_matches_eager(name, codegen):
-    model, inputs = MODELS[name].build("tiny")
+    # Under Inductor one layer: a second identical layer only doubles the kernels to generate.
+    layers = 1 if codegen == "inductor" else 2
+    model, inputs = MODELS[name].build("tiny", layers=layers)
     ref = _loss_and_grads(model, inputs, model)
     compiled = torch.compile(model, backend=graphpass.backend(codegen=codegen))
     got = _loss_and_grads(model, inputs, compiled)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     report = graphpass.last_report()
     assert report.activation_bytes > 0
-    layers = report.bytes_by_layer()
-    assert set(layers) >= {"layers.0", "layers.1"}
+    assert set(report.bytes_by_layer()) >= {f"layers.{i}" for i in range(layers)}
 
 
 @pytest.mark.parametrize("name", MODELS)

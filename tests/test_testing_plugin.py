@@ -53,7 +53,7 @@ def test_example_model_snapshot(name: str, tiny: dict[str, Report], graphpass_sn
     graphpass_snapshot(tiny[name])
 
 
-# -- the plugin end to end, in pytest subprocesses ----------------------------------------------
+# -- the plugin end to end, in inner pytest sessions ----------------------------------------------
 
 INNER_TEST = """
 import os
@@ -90,8 +90,9 @@ def test_snapshot_round_trip(pytester: pytest.Pytester, monkeypatch: pytest.Monk
     monkeypatch.delenv("GROW", raising=False)
     monkeypatch.delenv("CI", raising=False)
 
-    def run(*args: str) -> pytest.RunResult:
-        return pytester.runpytest_subprocess(*PLUGIN_ARGS, "-p", "no:cacheprovider", *args)
+    def run(*args: str, fresh_process: bool = False) -> pytest.RunResult:
+        runner = pytester.runpytest_subprocess if fresh_process else pytester.runpytest_inprocess
+        return runner(*PLUGIN_ARGS, "-p", "no:cacheprovider", *args)
 
     result = run()  # first run: written, passes with a warning
     result.assert_outcomes(passed=1)
@@ -102,7 +103,7 @@ def test_snapshot_round_trip(pytester: pytest.Pytester, monkeypatch: pytest.Monk
 
     # Unchanged, in a fresh process that compiled something else first: identical.
     monkeypatch.setenv("PLAN_ANOTHER_FIRST", "1")
-    result = run("--graphpass-ci")
+    result = run("--graphpass-ci", fresh_process=True)
     result.assert_outcomes(passed=1)
     assert "GraphpassSnapshotWarning" not in result.stdout.str()
     monkeypatch.delenv("PLAN_ANOTHER_FIRST")
