@@ -543,3 +543,32 @@ def test_quantize_before_dispatch_notes_where_it_does_not_apply():
     assert [n for n in report.notes if n.startswith("dispatch:")] == [
         "dispatch: mlp.experts: not re-gathered: aten.index of view: the plan already saves no "
         "copy of the dispatched tokens (it re-gathers them)"]
+
+
+def test_quantize_before_dispatch_keeps_the_plan_when_the_min_cut_disagrees(monkeypatch):
+    """Where torch's min-cut of the tagged graph does not save fewer bytes than the plan before
+    (simulated: the second ``exact_partition`` answers as the first), the tags are undone: the
+    saved set is the one without the pass, and the note says why."""
+    from graphpass import pipeline
+
+    config = graphpass.Config(fp8="tensorwise", memory="default")
+    model, inputs = _TokenRoutedExample.build("tiny")
+    with monkeypatch.context() as m:
+        _without_regather(m)
+        without = graphpass.plan(model, *inputs, config=config)
+    first = []
+
+    def stale(*args, **kwargs):  # every call answers as the first one did
+        if not first:
+            first.append(pipeline_exact_partition(*args, **kwargs))
+        return first[0]
+
+    pipeline_exact_partition = pipeline.exact_partition
+    monkeypatch.setattr(pipeline, "exact_partition", stale)
+    report = graphpass.plan(model, *inputs, config=config)
+    assert _saved_rows(report) == _saved_rows(without)
+    assert [n for n in report.notes if n.startswith("dispatch:")] == [
+        "dispatch: mlp.experts: not re-gathered: aten.index of view: torch's min-cut of the "
+        f"re-gathering plan saves {without.activation_bytes:,} B, not fewer than "
+        f"{without.activation_bytes:,} B"]
+    assert not any("dispatch (" in n for n in report.notes)
