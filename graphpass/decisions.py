@@ -34,6 +34,9 @@ class What(enum.Enum):
     FP8_ALL_GATHER = "fp8 all-gather: {module}: {why}"
     NOT_FP8_ALL_GATHER = "fp8 all-gather: not for {module}: {why}"
     REQUANTIZED = "save original: {module} re-quantizes its saved input in the backward"
+    # quantize before dispatch: the routed experts' input re-gathered in the backward
+    REGATHERED = "dispatch: {module}: {why}"
+    NOT_REGATHERED = "dispatch: {module}: not re-gathered: {why}"
     # the FP8 activation cache (lossy, opt-in)
     FP8_CACHED = "fp8 cache (lossy): {why}"
     NOT_CACHED = "fp8 cache: not cached: {why}"

@@ -20,6 +20,7 @@ from .passes.lower_fp8 import lower_fp8
 from .passes.offload import offload
 from .passes.plan_memory import plan_memory
 from .passes.recompute import recompute
+from .passes.regather import regather
 from .passes.save_original import save_original
 from .report import Report
 from .reporting import ReportBuilder, last_report, remember
@@ -30,6 +31,8 @@ __all__ = ["PASSES", "Partition", "last_report", "partition", "run"]
 # decisions a user should see; listed in the order they run.
 PASSES: tuple[Callable[[fx.GraphModule, Plan, Config], None], ...] = (
     canonicalize, lower_fp8, save_original, fp8_all_gather, recompute, offload, plan_memory,
+    # exact, and weighed on torch's min-cut of the plan the passes above tagged
+    regather,
     # lossy and opt-in: after the exact passes, FP8 copies of what their plan still saves
     fp8_cache)
 

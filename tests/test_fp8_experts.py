@@ -416,3 +416,159 @@ def test_fp8_cache_leaves_token_grouped_copies_alone():
     _, report = _compiled_grads(_TokenRoutedExample, dict(fp8="tensorwise", fp8_cache="all",
                                                           fp8_cache_min_bytes=0))
     assert "lowered: mlp.experts (reference/tensorwise)" in report.notes
+
+
+# --- quantize before dispatch (passes/regather.py): the routed experts' wgrad operand re-derived
+# in the backward from the layer input instead of saving the dispatched tokens' copy
+
+def _without_regather(monkeypatch):
+    from graphpass import pipeline
+
+    monkeypatch.setattr(pipeline, "PASSES", tuple(p for p in pipeline.PASSES
+                                                  if p.__name__ != "regather"))
+
+
+def _saved_rows(report):
+    from collections import Counter
+
+    return Counter((r.module, r.op, r.kind, r.dtype, r.shape, r.bytes) for r in report.rows
+                   if r.kind != "parameter")
+
+
+# The dispatched tokens' columnwise copy: 128 tokens x top-2 = 256 rows of K=256, FP8 (K, 256),
+# and its scales: one per expert (tensorwise), 1x128 blocks restarting per group,
+# (K, 256/128 + 4) fp32 (blockwise), 1x32 blocks, (K, 256/32 + 4) E8M0 bytes (mxfp8).
+DISPATCHED_SCALES = {"tensorwise": ("float32", (E,), 4 * E),
+                     "blockwise": ("float32", (K, 2 + E), 4 * K * (2 + E)),
+                     "mxfp8": ("uint8", (K, 8 + E), K * (8 + E))}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantize_before_dispatch_saves_the_layer_input_not_the_dispatched_copy(recipe, monkeypatch):
+    """Top-2 routed MoE under torch's default heuristics (memory="default"): the min-cut saves the
+    FP8 copy of the 256 dispatched rows for the experts' wgrad; the layer input (128, 256) bf16
+    is saved anyway (the bf16 router's wgrad reads it). The pass re-gathers it in the backward
+    instead: exactly that copy leaves the saved set, nothing joins it."""
+    config = graphpass.Config(fp8=recipe, memory="default")
+    model, inputs = _TokenRoutedExample.build("tiny")
+    with_it = graphpass.plan(model, *inputs, config=config)
+    with monkeypatch.context() as m:
+        _without_regather(m)
+        without = graphpass.plan(model, *inputs, config=config)
+    dtype, shape, scale_bytes = DISPATCHED_SCALES[recipe]
+    copy = [("mlp.experts", "graphpass.quantize", "fp8_data", "float8_e4m3fn", (K, 2 * 128), K * 256),
+            ("mlp.experts", "graphpass.quantize", "fp8_scale", dtype, shape, scale_bytes)]
+    assert without.activation_bytes - with_it.activation_bytes == K * 256 + scale_bytes
+    assert sorted((_saved_rows(without) - _saved_rows(with_it)).elements()) == sorted(copy)
+    assert not _saved_rows(with_it) - _saved_rows(without)
+    layer_input = ("mlp", "aten.view", "activation", "bfloat16", (128, 256), 128 * 256 * 2)
+    assert _saved_rows(with_it)[layer_input] == 1
+    notes = [n for n in with_it.notes if n.startswith("dispatch:")]
+    assert notes == [f"dispatch: mlp.experts: aten.index of view: re-gathers view (128, 256) bfloat16 "
+                     f"from mlp in the backward for the wgrad's FP8 copy instead of saving "
+                     f"{K * 256 + scale_bytes:,} B of the dispatched tokens (2,048 B more kept); "
+                     f"{K * 256 + scale_bytes:,} B fewer saved in all"]
+    assert "recomputed: dispatch (aten.index of view, re-gathered) in backward: mlp, mlp.experts" in with_it.notes
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantize_before_dispatch_is_bit_identical(recipe, monkeypatch):
+    """Gradients with and without the pass, where it applies (memory="default", and
+    save_original="always", where it replaces the dispatched tokens in bf16), per recipe."""
+    from test_memory_passes import _compiled_grads
+
+    for policy in (dict(memory="default"), dict(memory="default", save_original="always")):
+        grads, report = _compiled_grads(_TokenRoutedExample, dict(fp8=recipe, **policy))
+        assert any(n.startswith("dispatch: mlp.experts: aten.index") for n in report.notes), policy
+        with monkeypatch.context() as m:
+            _without_regather(m)
+            base, report = _compiled_grads(_TokenRoutedExample, dict(fp8=recipe, **policy))
+        assert not any(n.startswith("dispatch:") for n in report.notes)
+        assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
+
+
+def test_quantize_before_dispatch_on_deepseek_is_bit_identical(monkeypatch):
+    """The capacity-style dispatch of examples/deepseek.py (index_select into (E, C, hidden),
+    bmm experts): re-gathered, gradients bit-identical."""
+    from examples import deepseek
+    from test_memory_passes import _compiled_grads
+
+    cfg = dict(fp8="tensorwise", memory="default")
+    grads, report = _compiled_grads(deepseek, cfg, seq=32, layers=1)
+    assert any(n.startswith("dispatch: layers.0.mlp.experts: aten.index of ") and "re-gathers" in n
+               for n in report.notes), report.notes
+    with monkeypatch.context() as m:
+        _without_regather(m)
+        base, _ = _compiled_grads(deepseek, cfg, seq=32, layers=1)
+    assert all(torch.equal(a, b) for a, b in zip(grads, base))
+
+
+class _RoutedBy(nn.Module):
+    """Experts over tokens routed by given expert ids (top-1, no router): nothing but the
+    dispatch reads the layer input."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = _GroupedSwiGLU(256, 256, E)
+
+    def forward(self, x, ids):
+        ids_sorted, perm = torch.sort(ids)
+        counts = torch.histc(ids_sorted.float(), bins=E, min=0, max=E - 1)
+        out = self.experts(x[perm], torch.cumsum(counts, 0, dtype=torch.int32))
+        return torch.zeros_like(x).index_add(0, perm, out)
+
+
+def test_quantize_before_dispatch_notes_where_it_does_not_apply():
+    torch.manual_seed(0)
+    model = _RoutedBy().to(torch.bfloat16)
+    x = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, E, (128,))
+    # top-1, the layer input (a graph input here) saved by nothing else: its 65,536 B in bf16
+    # outweigh the dispatched copy, 32,768 B of FP8 (K=256 x 128 tokens) and 16 B of scales
+    report = graphpass.plan(model, x, ids, config=graphpass.Config(fp8="tensorwise",
+                                                                    memory="default"))
+    assert [n for n in report.notes if n.startswith("dispatch:")] == [
+        "dispatch: experts: not re-gathered: aten.index of primals_2: keeping primals_2 and the "
+        "indices (65,536 B) saves no bytes over the dispatched copy (32,784 B)"]
+    assert sum(r.bytes for r in report.rows if r.kind.startswith("fp8")) == 2 * (32768 + 16)
+    model, inputs = _TokenRoutedExample.build("tiny")
+    # save_original="never": the FP8 copy is what the user asked for (TE's default)
+    report = graphpass.plan(model, *inputs, config=graphpass.Config(
+        fp8="tensorwise", memory="default", save_original="never"))
+    assert [n for n in report.notes if n.startswith("dispatch:")] == [
+        "dispatch: mlp.experts: not re-gathered: aten.index of view: save_original='never' saves "
+        "the dispatched tokens' FP8 copy (quantized in the forward, as Transformer Engine does)"]
+    # the planner's min-cut (memory="auto") re-gathers by itself already
+    report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8="tensorwise"))
+    assert [n for n in report.notes if n.startswith("dispatch:")] == [
+        "dispatch: mlp.experts: not re-gathered: aten.index of view: the plan already saves no "
+        "copy of the dispatched tokens (it re-gathers them)"]
+
+
+def test_quantize_before_dispatch_keeps_the_plan_when_the_min_cut_disagrees(monkeypatch):
+    """Where torch's min-cut of the tagged graph does not save fewer bytes than the plan before
+    (simulated: the second ``exact_partition`` answers as the first), the tags are undone: the
+    saved set is the one without the pass, and the note says why."""
+    from graphpass import pipeline
+
+    config = graphpass.Config(fp8="tensorwise", memory="default")
+    model, inputs = _TokenRoutedExample.build("tiny")
+    with monkeypatch.context() as m:
+        _without_regather(m)
+        without = graphpass.plan(model, *inputs, config=config)
+    first = []
+
+    def stale(*args, **kwargs):  # every call answers as the first one did
+        if not first:
+            first.append(pipeline_exact_partition(*args, **kwargs))
+        return first[0]
+
+    pipeline_exact_partition = pipeline.exact_partition
+    monkeypatch.setattr(pipeline, "exact_partition", stale)
+    report = graphpass.plan(model, *inputs, config=config)
+    assert _saved_rows(report) == _saved_rows(without)
+    assert [n for n in report.notes if n.startswith("dispatch:")] == [
+        "dispatch: mlp.experts: not re-gathered: aten.index of view: torch's min-cut of the "
+        f"re-gathering plan saves {without.activation_bytes:,} B, not fewer than "
+        f"{without.activation_bytes:,} B"]
+    assert not any("dispatch (" in n for n in report.notes)
