@@ -193,15 +193,29 @@ def test_forward_exact_backward_dequantized_and_nothing_else_lossy():
 
 
 def test_layer_input_caches_the_residual_stream_and_keeps_norm_statistics_exact():
-    """layer_input caches the tensors saved for norms (the layer input x and the layer output
-    the final norm reads); each norm's saved rstd (2x64x1 f32) stays exact."""
+    """layer_input caches the tensors saved for norms (the layer input x, o_proj's output, which
+    the backward re-adds to x for the second norm, and the layer output the final norm reads);
+    each norm's saved rstd (2x64x1 f32) stays exact."""
     model, inputs = llama.build("tiny", layers=1, seq=64)
     report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8_cache="layer_input",
                                                                     fp8_cache_min_bytes=0))
     assert [r.module for r in report.rows if r.decided(What.FP8_CACHED) and r.kind == "fp8_data"] \
-        == ["input:x", "layers.0"]
+        == ["input:x", "layers.0.self_attn.o_proj", "layers.0"]
     assert sorted(r.module for r in report.rows if r.op == "aten.rsqrt") == [
         "layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"]
+
+
+def test_layer_input_caches_residual_summands_saved_for_norms():
+    """Under FP8 lowering the exact plan saves the residual stream's summands (o_proj's and
+    down_proj's outputs), not their sums: the backward re-adds them for the norms. layer_input
+    caches them (it once took only tensors a norm reads directly, so it cached nothing inside
+    the layer, silently)."""
+    model, inputs = llama.build("tiny", layers=1, seq=64)
+    report = graphpass.plan(model, *inputs, config=graphpass.Config(
+        fp8="tensorwise", fp8_cache="layer_input", fp8_cache_min_bytes=0))
+    cached = {r.module for r in report.rows if r.decided(What.FP8_CACHED) and r.kind == "fp8_data"}
+    assert {"layers.0.self_attn.o_proj", "layers.0.mlp.down_proj"} <= cached, cached
+    assert not [r for r in report.rows if r.kind == "activation" and r.module in cached]
 
 
 # --- with the FP8 lowering ------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def _select(joint: fx.GraphModule, saved: list[fx.Node], level: str,
         elif level == "attn":
             take = is_attention(producer(base)) or any(is_attention(r) for r in readers)
         else:  # layer_input
-            take = not in_norm(base) and any(in_norm(r) for r in readers)
+            take = not in_norm(base) and _reaches_norm(base)
         if take:
             out[base] = None
     order = {n: i for i, n in enumerate(joint.graph.nodes)}
@@ -141,6 +141,21 @@ def _readers(node: fx.Node) -> list[fx.Node]:
             else:
                 out.append(user)
     return out
+
+
+def _reaches_norm(node: fx.Node) -> bool:
+    """Whether a norm reads ``node`` in the forward, directly or through residual adds: under
+    FP8 lowering the exact plan saves the residual stream's summands (a projection's output)
+    rather than their sum, and the backward re-adds them for the norm."""
+    todo, seen = [node], {node}
+    while todo:
+        for reader in _readers(todo.pop()):
+            if in_norm(reader):
+                return True
+            if op_name(reader) == "aten.add" and reader not in seen:
+                seen.add(reader)
+                todo.append(reader)
+    return False
 
 
 def _not_cacheable(node: fx.Node, plan: Plan) -> str:
