@@ -96,11 +96,14 @@ def print_cache_table(per_seed: list[dict[str, float]]) -> None:
     absolute = {k: [abs(g) for g in v] for k, v in signed.items()}
     mean_gap = {k: statistics.mean(v) for k, v in absolute.items()}
     print(f"seeds: {n}; gap = |loss / exact FP8 loss - 1| per seed\n")
-    print("| run | loss per seed | mean gap | min gap | max gap | signed gaps |\n|---|---|---|---|---|---|")
+    print("| run | loss per seed | mean gap | min gap | max gap | signed gaps | mean signed gap "
+          "+- standard error |\n|---|---|---|---|---|---|---|")
     for k in per_seed[0]:
         losses = ", ".join(f"{ls[k]:.4f}" for ls in per_seed)
+        se = statistics.stdev(signed[k]) / n ** 0.5 if n > 1 else float("nan")
         print(f"| {k} | {losses} | {mean_gap[k]:.3%} | {min(absolute[k]):.3%} | "
-              f"{max(absolute[k]):.3%} | {', '.join(f'{g:+.3%}' for g in signed[k])} |")
+              f"{max(absolute[k]):.3%} | {', '.join(f'{g:+.3%}' for g in signed[k])} | "
+              f"{statistics.mean(signed[k]):+.3%} +- {se:.3%} |")
     print()
     exact = [ls["exact fp8"] for ls in per_seed]
     if n > 1:
