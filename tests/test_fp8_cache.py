@@ -259,6 +259,20 @@ def test_layer_input_caches_residual_summands_saved_for_norms():
 
 
 # --- with the FP8 lowering ------------------------------------------------------------------------
+def test_a_tensor_the_cached_graph_saves_exact_is_not_read_lossy():
+    """On the tiny Llama under all, torch's min-cut of the cached graph saves o_proj's output
+    exact (a backward recompute reads it). The cache is then undone for it: no quantize runs
+    in the backward on a value saved exact (a lossy read that saves no byte)."""
+    model, _ = llama.build("tiny_lm", layers=1, seq=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as examples/train.py trains it
+        report = graphpass.plan(model, torch.zeros(2, 64, dtype=torch.long),
+                                config=graphpass.Config(fp8="tensorwise", fp8_cache="all"))
+    lossy_reads = [r.name for r in report.rows if r.kind == "activation"
+                   and any("cache_quantize" in c for c in r.consumers)]
+    assert not lossy_reads, lossy_reads
+    assert any(n.startswith("fp8 cache: not cached: fp8_gemm_default_9 ") for n in report.notes)
+
+
 
 def test_reuses_the_lowerings_columnwise_copy():
     """Under fp8='tensorwise', attention's output is also o_proj's input: its columnwise FP8 copy
