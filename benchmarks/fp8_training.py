@@ -100,10 +100,10 @@ def print_cache_table(per_seed: list[dict[str, float]]) -> None:
           "+- standard error |\n|---|---|---|---|---|---|---|")
     for k in per_seed[0]:
         losses = ", ".join(f"{ls[k]:.4f}" for ls in per_seed)
-        se = statistics.stdev(signed[k]) / n ** 0.5 if n > 1 else float("nan")
+        se = f"{statistics.stdev(signed[k]) / n ** 0.5:.3%}" if n > 1 else "-"
         print(f"| {k} | {losses} | {mean_gap[k]:.3%} | {min(absolute[k]):.3%} | "
               f"{max(absolute[k]):.3%} | {', '.join(f'{g:+.3%}' for g in signed[k])} | "
-              f"{statistics.mean(signed[k]):+.3%} +- {se:.3%} |")
+              f"{statistics.mean(signed[k]):+.3%} +- {se} |")
     print()
     exact = [ls["exact fp8"] for ls in per_seed]
     if n > 1:
