@@ -3,6 +3,7 @@
     python benchmarks/memory.py                    # llama, gpt, deepseek at real size, tensorwise
     python benchmarks/memory.py --markdown         # the table for docs/numbers.md
     python benchmarks/memory.py --cache            # + the FP8 activation cache and torch's pass
+    python benchmarks/memory.py --compare --models llama   # per tensor: fp8_cache=all vs torch's pass
 
 Per layer and policy it prints the bytes the forward saves for the backward (parameters and
 their views excluded, each storage counted once) and the recompute the policy adds, as a share
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -55,6 +58,8 @@ class Result:
     """Share of the step's GEMM FLOPs that run as FP8 GEMMs (None without fp8)."""
     in_layer: float | None = None
     """Bytes saved inside the layer (``layers.0``), in seq*hidden bytes (None: not attributed)."""
+    report: object = None
+    """The plan's report (for the per-tensor comparison of the lossy rows)."""
 
 
 # torch's own activation quantization (torch/_functorch/partitioners.py): every saved tensor of
@@ -122,7 +127,8 @@ def plan(model_name: str, size: str, cfg: dict | None) -> Result:
     share = report.meta["recompute_flops"] / report.meta["step_flops"]
     coverage = report.meta.get("fp8_coverage", {}).get("fp8_share")
     in_layer = None if torch_aq or size != "real" else _in_layer(model_name, report)
-    return Result("", report.activation_bytes, share, fp8_coverage=coverage, in_layer=in_layer)
+    return Result("", report.activation_bytes, share, fp8_coverage=coverage, in_layer=in_layer,
+                  report=report)
 
 
 def run(models: list[str], size: str, fp8: str, cache: bool = False) -> dict[str, list[Result]]:
@@ -183,6 +189,76 @@ def check(results: dict[str, list[Result]]) -> list[str]:
     return lines
 
 
+# torch's pass names its nodes fp8_quant_pos_<i>_<source> and fp8_scale_pos_<i>_<source>.
+_TORCH_AQ_NODE = re.compile(r"fp8_(quant|scale)_pos_\d+_(.+)")
+
+
+def _tensors(report, *, torch_aq: bool) -> dict[str, dict]:
+    """The saved activations of ``report`` per tensor they store: its name, numel and the bytes
+    kept exact, as FP8 data and as scales."""
+    out: dict[str, dict] = {}
+    for r in report.rows:
+        if not r.is_activation or not r.bytes:
+            continue
+        match = _TORCH_AQ_NODE.fullmatch(r.name) if torch_aq else None
+        if match:
+            source, part = match.group(2), "data" if match.group(1) == "quant" else "scale"
+        elif r.kind in ("fp8_data", "fp8_scale") and r.copy_of:
+            source, part = r.copy_of, r.kind.removeprefix("fp8_")
+        else:
+            source, part = r.name, "exact"
+        t = out.setdefault(source, {"name": source, "numel": 0, "exact": 0, "data": 0, "scale": 0})
+        t[part] += r.bytes
+        if part != "scale":
+            t["numel"] = max(t["numel"], math.prod(r.shape))
+    return out
+
+
+def byte_comparison(ours, theirs) -> list[tuple[str, dict, dict]]:
+    """graphpass's saved tensors (``ours``, a report) next to torch's pass's (``theirs``), one row
+    per stored tensor: matched by name, then (a view's name differs: graphpass names a cached
+    view's base, torch the view) the rest pairwise in graph order by element count."""
+    a, b = _tensors(ours, torch_aq=False), _tensors(theirs, torch_aq=True)
+    empty = {"exact": 0, "data": 0, "scale": 0, "numel": 0}
+    rows = [(name, a.pop(name), b.pop(name)) for name in list(a) if name in b]
+    for name, t in list(a.items()):
+        other = next((k for k, u in b.items() if u["numel"] == t["numel"]), None)
+        if other is not None:
+            rows.append((f"{name} / {other}", a.pop(name), b.pop(other)))
+    rows += [(name, t, empty) for name, t in a.items()] + [(name, empty, t) for name, t in b.items()]
+    return rows
+
+
+def byte_comparison_table(rows: list[tuple[str, dict, dict]]) -> str:
+    head = ("tensor (graphpass / torch's pass)", "elements", "graphpass: exact", "FP8 data",
+            "scales", "torch's pass: exact", "FP8 data", "scales", "graphpass - torch's pass")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    total = [0] * 6
+    for name, a, b in rows:
+        cells = [a["exact"], a["data"], a["scale"], b["exact"], b["data"], b["scale"]]
+        total = [t + c for t, c in zip(total, cells)]
+        diff = sum(cells[:3]) - sum(cells[3:])
+        lines.append(f"| {name} | {max(a['numel'], b['numel']):,} | "
+                     + " | ".join(f"{c:,}" for c in cells) + f" | {diff:+,} |")
+    lines.append("| **total** | | " + " | ".join(f"{c:,}" for c in total)
+                 + f" | {sum(total[:3]) - sum(total[3:]):+,} |")
+    return "\n".join(lines)
+
+
+def byte_reason(rows: list[tuple[str, dict, dict]]) -> str:
+    """Why graphpass's ``all`` saves more than torch's pass behind the same exact plan, counted:
+    the tensors graphpass keeps exact that torch's pass casts, and the scales."""
+    kept = [(name, a["exact"] - b["exact"] - b["data"] - b["scale"]) for name, a, b in rows
+            if a["exact"] and not b["exact"] and (b["data"] or b["scale"])]
+    scales = sum(a["scale"] - b["scale"] for name, a, b in rows if not a["exact"])
+    data = sum(a["data"] - b["data"] for name, a, b in rows if not a["exact"])
+    parts = [f"{name} kept exact (torch's pass casts it to FP8): {d:+,} B" for name, d in kept]
+    parts.append(f"scales (graphpass one E8M0 byte per 1x128 block, torch's pass one fp32 per "
+                 f"row): {scales:+,} B")
+    parts.append(f"FP8 data: {data:+,} B")
+    return "; ".join(parts)
+
+
 def check_cache(results: dict[str, list[Result]]) -> list[str]:
     """The byte targets of issue 12 (the FP8 activation cache), each as a PASS/FAIL line."""
     lines = []
@@ -195,6 +271,7 @@ def check_cache(results: dict[str, list[Result]]) -> list[str]:
         if model == "llama":
             act = by["graphpass auto + fp8_cache=act_input"]
             torch_aq = by["graphpass auto + torch's activation quantization"]
+            reason = byte_reason(byte_comparison(all_.report, torch_aq.report))
             checks += [
                 (f"act_input <= 16.1 seq*hidden B in the layer ({act.in_layer:.2f})",
                  act.in_layer is not None and act.in_layer <= 16.1),
@@ -202,7 +279,8 @@ def check_cache(results: dict[str, list[Result]]) -> list[str]:
                  all_.in_layer is not None and all_.in_layer <= 12.0),
                 (f"torch's pass behind graphpass's exact plan saves more than all "
                  f"({torch_aq.bytes:,} B vs {all_.bytes:,} B; whole graph: torch's nodes have "
-                 "no module path)", torch_aq.bytes > all_.bytes),
+                 f"no module path; graphpass - torch's pass, counted: {reason})",
+                 torch_aq.bytes > all_.bytes),
             ]
         else:
             lb = by["lower bound"].bytes
@@ -220,7 +298,19 @@ def main() -> None:
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--cache", action="store_true",
                    help="add the FP8 activation cache's levels and torch's activation quantization")
+    p.add_argument("--compare", action="store_true",
+                   help="only the per-tensor byte table: fp8_cache=all vs torch's pass behind "
+                        "graphpass's exact plan, for each model")
     args = p.parse_args()
+    if args.compare:
+        for model in args.models:
+            ours = plan(model, args.size, dict(fp8=args.fp8, fp8_cache="all")).report
+            theirs = plan(model, args.size, dict(fp8=args.fp8, **{TORCH_AQ_KEY: True})).report
+            rows = byte_comparison(ours, theirs)
+            print(f"{model} ({args.size}, fp8={args.fp8}): saved bytes per tensor\n")
+            print(byte_comparison_table(rows))
+            print(f"\ngraphpass - torch's pass, counted: {byte_reason(rows)}\n")
+        return
     results = run(args.models, args.size, args.fp8, args.cache)
     print(table(results, markdown=args.markdown))
     print()

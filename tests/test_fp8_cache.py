@@ -151,10 +151,10 @@ def test_too_small_and_not_cacheable_are_notes():
 
 # --- which value the backward reads ---------------------------------------------------------------
 
-def _grads(model, x, **cfg):
+def _grads(model, x, codegen="eager", **cfg):
     torch._dynamo.reset()
     x = x.detach().requires_grad_()
-    out = torch.compile(model, backend=graphpass.backend(codegen="eager", **cfg))(x)
+    out = torch.compile(model, backend=graphpass.backend(codegen=codegen, **cfg))(x)
     torch.manual_seed(1)
     (out * torch.randn(out.shape)).sum().backward()
     grads = [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
@@ -192,19 +192,87 @@ def test_forward_exact_backward_dequantized_and_nothing_else_lossy():
     assert any(r.decided(What.FP8_CACHED) for r in report.rows)
 
 
+class DropoutMLP(MLP):
+    """MLP with dropout (p=0.5) on its output (GPT-2's residual dropout). Not between GELU and
+    fc2: there the activation region ends at the dropout and act_input finds no GELU input."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+@pytest.mark.parametrize("codegen", ["eager"])  # "inductor" passes too: 55 s, too slow for CI
+def test_dropout_mask_not_redrawn_bit_identical(codegen):
+    """With dropout, caching fc1's output h (exactly representable in E4M3, as above) changes
+    nothing: the forward is bit-identical to the exact plan's and so are the gradients, so the
+    backward applies the forward's dropout mask (a redrawn mask would change them; another seed
+    does)."""
+    torch.manual_seed(0)
+    model, x = DropoutMLP(), torch.randint(-1, 2, (8, 256)).float()
+    with torch.no_grad():
+        w = torch.zeros(model.fc1.weight.shape)
+        for row in w:
+            row[torch.randperm(256)[:4]] = torch.randint(0, 2, (4,)).float() * 2 - 1
+        model.fc1.weight.copy_(w / 32)
+    runs = {}
+    for name, seed, cfg in (("exact", 0, {}), ("cached", 0, dict(fp8_cache="act_input",
+                                                                 fp8_cache_min_bytes=0)),
+                            ("other seed", 5, {})):
+        torch.manual_seed(seed)
+        runs[name] = _grads(model, x, codegen=codegen, **cfg)
+        if name == "cached":
+            report = graphpass.last_report()
+    assert any(r.decided(What.FP8_CACHED) for r in report.rows)  # it did cache h
+    (out, grads), (out_c, grads_c), (out_o, grads_o) = runs.values()
+    assert torch.equal(out, out_c)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_c))
+    assert not torch.equal(out, out_o)  # the mask matters
+
+
 def test_layer_input_caches_the_residual_stream_and_keeps_norm_statistics_exact():
-    """layer_input caches the tensors saved for norms (the layer input x and the layer output
-    the final norm reads); each norm's saved rstd (2x64x1 f32) stays exact."""
+    """layer_input caches the tensors saved for norms (the layer input x, o_proj's output, which
+    the backward re-adds to x for the second norm, and the layer output the final norm reads);
+    each norm's saved rstd (2x64x1 f32) stays exact."""
     model, inputs = llama.build("tiny", layers=1, seq=64)
     report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8_cache="layer_input",
                                                                     fp8_cache_min_bytes=0))
     assert [r.module for r in report.rows if r.decided(What.FP8_CACHED) and r.kind == "fp8_data"] \
-        == ["input:x", "layers.0"]
+        == ["input:x", "layers.0.self_attn.o_proj", "layers.0"]
     assert sorted(r.module for r in report.rows if r.op == "aten.rsqrt") == [
         "layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"]
 
 
+def test_layer_input_caches_residual_summands_saved_for_norms():
+    """Under FP8 lowering the exact plan saves the residual stream's summands (o_proj's and
+    down_proj's outputs), not their sums: the backward re-adds them for the norms. layer_input
+    caches them (it once took only tensors a norm reads directly, so it cached nothing inside
+    the layer, silently)."""
+    model, inputs = llama.build("tiny", layers=1, seq=64)
+    report = graphpass.plan(model, *inputs, config=graphpass.Config(
+        fp8="tensorwise", fp8_cache="layer_input", fp8_cache_min_bytes=0))
+    cached = {r.module for r in report.rows if r.decided(What.FP8_CACHED) and r.kind == "fp8_data"}
+    assert {"layers.0.self_attn.o_proj", "layers.0.mlp.down_proj"} <= cached, cached
+    assert not [r for r in report.rows if r.kind == "activation" and r.module in cached]
+
+
 # --- with the FP8 lowering ------------------------------------------------------------------------
+def test_a_tensor_the_cached_graph_saves_exact_is_not_read_lossy():
+    """On the tiny Llama under all, torch's min-cut of the cached graph saves o_proj's output
+    exact (a backward recompute reads it). The cache is then undone for it: no quantize runs
+    in the backward on a value saved exact (a lossy read that saves no byte)."""
+    model, _ = llama.build("tiny_lm", layers=1, seq=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as examples/train.py trains it
+        report = graphpass.plan(model, torch.zeros(2, 64, dtype=torch.long),
+                                config=graphpass.Config(fp8="tensorwise", fp8_cache="all"))
+    lossy_reads = [r.name for r in report.rows if r.kind == "activation"
+                   and any("cache_quantize" in c for c in r.consumers)]
+    assert not lossy_reads, lossy_reads
+    assert any(n.startswith("fp8 cache: not cached: fp8_gemm_default_9 ") for n in report.notes)
+
+
 
 def test_reuses_the_lowerings_columnwise_copy():
     """Under fp8='tensorwise', attention's output is also o_proj's input: its columnwise FP8 copy

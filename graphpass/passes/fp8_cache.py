@@ -68,15 +68,45 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     graph.lint()
     joint.recompile()
     if cached:
-        _still_exact(joint, plan, config)
+        undone, saved = _undo_saved_exact(joint, plan, cached)
+        if undone:  # partition the graph as it is now
+            saved, _ = plan.exact_partition(joint)
+        _still_exact(joint, plan, config, saved, undone)
 
 
-def _still_exact(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def _undo_saved_exact(joint: fx.GraphModule, plan: Plan,
+                      cached: dict[fx.Node, fx.Node]) -> tuple[set[fx.Node], list[fx.Node]]:
+    """The cached tensors torch's min-cut of the rewritten graph still saves exact (a backward
+    recompute reads the original): their quantize would run in the backward on the exact saved
+    value, a lossy read that saves no byte. Undo the cache for them (their backward readers read
+    the original again); returns them and what the min-cut saved. A reused FP8 lowering copy is
+    left as it is."""
+    saved, _ = plan.exact_partition(joint)
+    undone = set()
+    for node in dict.fromkeys(map(_base, saved)):
+        q = cached.get(node)
+        if q is None or q.target is not CACHE_DEQUANTIZE:  # not cached, or a reused copy
+            continue
+        q.replace_all_uses_with(node)
+        data = q.args[0]
+        quantize = data.args[0]
+        for dead in (q, *list(quantize.users), quantize):
+            if not dead.users:
+                joint.graph.erase_node(dead)
+        undone.add(node)
+    if undone:
+        joint.graph.lint()
+        joint.recompile()
+    return undone, saved
+
+
+def _still_exact(joint: fx.GraphModule, plan: Plan, config: Config, saved: list[fx.Node],
+                 undone: set[fx.Node]) -> None:
     """Never silent: torch's min-cut of the rewritten graph may still save, exact, a tensor the
     level selects (on the tiny GPT under ``all``, the final LayerNorm's output and statistic:
-    the backward reads them again after the rewrite). Each one is a note; the cache does not
-    chase it (a second rewrite could move the cut again)."""
-    saved, _ = plan.exact_partition(joint)
+    the backward reads them again after the rewrite; ``undone``: cached tensors whose cache was
+    undone for that). Each one is a note; the cache does not chase it (a second rewrite could
+    move the cut again)."""
     if config.fp8_cache == "all":  # backward nodes that read no gradient, run in the forward
         for node in saved:
             if (is_backward(node) and tensor_val(node) is not None and not _not_cacheable(node, plan)
@@ -89,9 +119,11 @@ def _still_exact(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         if (facts(node).cached is not None or _not_cacheable(node, plan)
                 or _nbytes(node) < config.fp8_cache_min_bytes):  # noted above
             continue
-        plan.decide(Decision(What.NOT_CACHED, BY, (
-            f"{node.name} in {module_path(node) or '<root>'}: torch's min-cut of the cached "
-            "graph saves it exact"), module_path(node), node.name))
+        why = ("torch's min-cut of the cached graph saves it exact" + (
+            " (a backward recompute reads it), so the backward reads it exact too" if node in undone
+            else ""))
+        plan.decide(Decision(What.NOT_CACHED, BY, f"{node.name} in {module_path(node) or '<root>'}: {why}",
+                             module_path(node), node.name))
 
 
 def _select(joint: fx.GraphModule, saved: list[fx.Node], level: str,
@@ -114,7 +146,7 @@ def _select(joint: fx.GraphModule, saved: list[fx.Node], level: str,
         elif level == "attn":
             take = is_attention(producer(base)) or any(is_attention(r) for r in readers)
         else:  # layer_input
-            take = not in_norm(base) and any(in_norm(r) for r in readers)
+            take = not in_norm(base) and _reaches_norm(base)
         if take:
             out[base] = None
     order = {n: i for i, n in enumerate(joint.graph.nodes)}
@@ -141,6 +173,21 @@ def _readers(node: fx.Node) -> list[fx.Node]:
             else:
                 out.append(user)
     return out
+
+
+def _reaches_norm(node: fx.Node) -> bool:
+    """Whether a norm reads ``node`` in the forward, directly or through residual adds: under
+    FP8 lowering the exact plan saves the residual stream's summands (a projection's output)
+    rather than their sum, and the backward re-adds them for the norm."""
+    todo, seen = [node], {node}
+    while todo:
+        for reader in _readers(todo.pop()):
+            if in_norm(reader):
+                return True
+            if op_name(reader) == "aten.add" and reader not in seen:
+                seen.add(reader)
+                todo.append(reader)
+    return False
 
 
 def _not_cacheable(node: fx.Node, plan: Plan) -> str:
