@@ -193,8 +193,7 @@ def test_forward_exact_backward_dequantized_and_nothing_else_lossy():
 
 
 class DropoutMLP(MLP):
-    """MLP with dropout (p=0.5) on its output (GPT-2's residual dropout). Not between GELU and
-    fc2: there the activation region ends at the dropout and act_input finds no GELU input."""
+    """MLP with dropout (p=0.5) on its output (GPT-2's residual dropout)."""
 
     def __init__(self):
         super().__init__()
@@ -230,6 +229,39 @@ def test_dropout_mask_not_redrawn_bit_identical(codegen):
     assert torch.equal(out, out_c)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_c))
     assert not torch.equal(out, out_o)  # the mask matters
+
+
+class T5MLP(MLP):
+    """MLP with dropout between GELU and fc2 (T5's feed-forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+def test_act_input_looks_through_a_dropout_before_the_next_gemm():
+    """Run eagerly, the dropout stays one native_dropout between GELU and fc2; act_input still
+    caches GELU's input h = fc1(x) (before, the activation region ended at the dropout and
+    nothing was cached, with no note). Saved, by hand: x (8x256 f32, 8,192 B), h's FP8 copy
+    (8x512 E4M3, 4,096 B) and its E8M0 scales (8x4, 32 B), the dropout's output fc2's wgrad
+    reads (8x512 f32, 16,384 B) and its mask (8x512 bool, 4,096 B)."""
+    torch.manual_seed(0)
+    model, x = T5MLP(), torch.randn(8, 256)
+    torch.manual_seed(2)
+    out, _ = _grads(model, x)
+    torch.manual_seed(2)
+    out_c, _ = _grads(model, x, fp8_cache="act_input", fp8_cache_min_bytes=0)
+    assert torch.equal(out, out_c)  # the forward computes with the exact h
+    saved = sorted((r.module, r.op, r.dtype, r.bytes) for r in graphpass.last_report().rows
+                   if r.is_activation)
+    assert saved == [("drop", "aten.native_dropout", "bool", 4096),
+                     ("drop", "aten.native_dropout", "float32", 16384),
+                     ("fc1", "graphpass.cache_quantize", "float8_e4m3fn", 4096),
+                     ("fc1", "graphpass.cache_quantize", "uint8", 32),
+                     ("input:x", "input", "float32", 8192)]
 
 
 def test_layer_input_caches_the_residual_stream_and_keeps_norm_statistics_exact():

@@ -60,6 +60,13 @@ def _under(path: str, prefixes: Iterable[str]) -> bool:
 _NO_MODULE_OPS = frozenset({"prims.inductor_seeds"})
 
 
+def _is_dropout(node: fx.Node) -> bool:
+    """An eager-RNG dropout, ``aten.native_dropout``, or its output (``getitem`` 0)."""
+    name = op_name(node)
+    return name == "aten.native_dropout" or (
+        name == "getitem" and op_name(node.args[0]) == "aten.native_dropout" and node.args[1] == 0)
+
+
 class Regions:
     """The Megatron module classes of the forward nodes of one joint graph."""
 
@@ -71,15 +78,21 @@ class Regions:
         self.moe_modules = {p for p in self.paths if p + ".experts" in self.paths}
         self._acts = self._activation_chains()
 
-    def _activation_chains(self) -> set[fx.Node]:
-        """Elementwise chains from a GEMM output to a GEMM input (the MLP activation)."""
+    def _activation_chains(self, through_dropout: bool = False) -> set[fx.Node]:
+        """Elementwise chains from a GEMM output to a GEMM input (the MLP activation);
+        ``through_dropout``: a dropout between the activation and the next GEMM (T5's MLP) is
+        part of the chain too (eager-RNG graphs keep it one ``native_dropout``; Inductor's
+        decomposition into elementwise ops is part of it anyway)."""
+        def link(node: fx.Node) -> bool:
+            return op_name(node) in ELEMENTWISE or through_dropout and _is_dropout(node)
+
         def chain(start: Iterable[fx.Node], step) -> set[fx.Node]:
             seen, todo = set(), list(start)
             while todo:
                 node = todo.pop()
                 for nxt in step(node):
                     if nxt not in seen and nxt.op == "call_function" and not is_backward(nxt) and (
-                            op_name(nxt) in ELEMENTWISE):
+                            link(nxt)):
                         seen.add(nxt)
                         todo.append(nxt)
             return seen
@@ -94,10 +107,16 @@ class Regions:
         up = chain(gemms, inputs)
         # Quantizes sit between an activation and the next GEMM; treat them as transparent.
         quant_inputs = [n.args[0] for n in self.nodes if op_name(n) == QUANTIZE]
-        up |= chain(quant_inputs, inputs) | {q for q in quant_inputs if op_name(q) in ELEMENTWISE}
+        up |= chain(quant_inputs, inputs) | {q for q in quant_inputs if link(q)}
         return {n for n in down & up
                 if not _under(module_path(n), self.attention_modules)
                 and not _is_norm(module_stack(n))}
+
+    def activation_inputs_region(self) -> set[fx.Node]:
+        """The activation chains of every MLP and expert, dropouts inside them included: what
+        reads an activation's input (``fp8_cache="act_input"``). The recompute words keep the
+        chains without dropout (recomputing one needs its RNG state; passes/recompute.py)."""
+        return self._activation_chains(through_dropout=True)
 
     def select(self, word: str) -> set[fx.Node]:
         """The forward nodes ``recompute=(word,)`` recomputes."""

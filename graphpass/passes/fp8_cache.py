@@ -132,7 +132,7 @@ def _select(joint: fx.GraphModule, saved: list[fx.Node], level: str,
     saved view: the cache stores the tensor the view reads, and the backward views the
     dequantized value)."""
     regions = Regions(joint)
-    acts = regions.select("act") | regions.select("moe_act")
+    acts = regions.activation_inputs_region()
     out: dict[fx.Node, None] = {}
     for node in saved:
         base = _base(node)
