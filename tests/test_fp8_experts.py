@@ -572,3 +572,40 @@ def test_quantize_before_dispatch_keeps_the_plan_when_the_min_cut_disagrees(monk
         f"re-gathering plan saves {without.activation_bytes:,} B, not fewer than "
         f"{without.activation_bytes:,} B"]
     assert not any("dispatch (" in n for n in report.notes)
+
+
+class _SavedDispatch(nn.Module):
+    """The token-routed MoE layer under the user's selective checkpoint: the dispatch (every
+    ``aten.index``) MUST_SAVE, everything else PREFER_RECOMPUTE."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.mlp = moe
+
+    def forward(self, x):
+        import functools
+
+        from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                            create_selective_checkpoint_contexts)
+
+        def policy(ctx, op, *args, **kwargs):
+            return (CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.index.Tensor
+                    else CheckpointPolicy.PREFER_RECOMPUTE)
+
+        return checkpoint(self.mlp, x, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+
+def test_quantize_before_dispatch_keeps_the_users_checkpoint_policy():
+    """Where the user's checkpoint policy saves the dispatch, the pass does not re-gather it and
+    says so, naming the nodes the policy keeps."""
+    model, inputs = _TokenRoutedExample.build("tiny")
+    model = _SavedDispatch(model.mlp)
+    report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8="tensorwise",
+                                                                    memory="default"))
+    notes = [n for n in report.notes if n.startswith("dispatch:")]
+    assert len(notes) == 1 and notes[0].startswith(
+        "dispatch: mlp.experts: not re-gathered: aten.index of "), notes
+    # the dispatch the policy saves, and the graphpass quantize its region's policy covers
+    assert ": your checkpoint policy decides index (MUST_SAVE), quantize" in notes[0], notes
+    assert not any(n.startswith("dispatch: mlp.experts: aten.index") for n in report.notes)

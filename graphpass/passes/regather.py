@@ -80,8 +80,9 @@ def regather(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             continue
         conflict = [n for n in kept if user_policy(n) not in (None, CheckpointPolicy.MUST_RECOMPUTE)]
         if conflict:
-            plan.decide(_not(module, f"{_dispatch(gather)}: your checkpoint policy saves "
-                                     f"{', '.join(n.name for n in conflict)}"), once=True)
+            tags = ", ".join(f"{n.name} ({user_policy(n).name})" for n in conflict)
+            plan.decide(_not(module, f"{_dispatch(gather)}: your checkpoint policy decides "
+                                     f"{tags}"), once=True)
             continue
         why = f"dispatch ({_dispatch(gather)}, re-gathered)"
         for node in kept:
