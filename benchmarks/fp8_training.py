@@ -28,13 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import graphpass  # noqa: E402
+# torch's activation quantization as issue 12 compares it (all sizes, e5m2, scaled) and the cache
+# levels: the same as the byte benchmark's
+from benchmarks.memory import CACHE_LEVELS as LEVELS  # noqa: E402
+from benchmarks.memory import TORCH_AQ  # noqa: E402
 from examples import deepseek, llama, train  # noqa: E402
 
-
-# torch's activation quantization as issue 12 compares it: all sizes, e5m2, scaled.
-TORCH_AQ = {"size_in_mb": 0, "use_scaling": True, "quant_type": "torch.float8_e5m2",
-            "allowed_dtypes": "torch.bfloat16;torch.float32"}
-LEVELS = ("act_input", "attn", "layer_input", "all")
 # --model: the example and its sequence length (the tiny DeepSeek's experts need 128 tokens per
 # expert slot block, as in tests/test_fp8_training.py)
 MODELS = {"llama": (llama, 64), "deepseek": (deepseek, 128)}
