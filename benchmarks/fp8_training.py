@@ -4,6 +4,7 @@
     python benchmarks/fp8_training.py --cache      # the FP8 activation cache's levels (issue 12)
     python benchmarks/fp8_training.py --cache --seeds 5   # over seeds 0..4 (model init and data)
     python benchmarks/fp8_training.py --cache --model deepseek   # the tiny DeepSeek (MLA + MoE)
+    python benchmarks/fp8_training.py --cache --grad-errors   # one step's gradient error per run
 
 The same task and model as tests/test_fp8_training.py (which asserts each recipe within 3% of
 bf16); this prints the numbers. ``--cache`` trains, on the same data, the exact FP8 run
@@ -39,18 +40,49 @@ from examples import deepseek, llama, train  # noqa: E402
 MODELS = {"llama": (llama, 64), "deepseek": (deepseek, 128)}
 
 
-def final_loss(data, *, torch_aq: bool = False, codegen: str = "eager", seed: int = 0,
-               model_name: str = "llama", **options) -> float:
-    """Mean loss of the last 20 steps of the tiny Llama (or ``model_name``; weights from
-    ``seed``) trained on ``data`` under ``options``."""
+def _train(data, *, torch_aq: bool, codegen: str, seed: int, model_name: str, lr: float = 3e-3,
+           **options) -> tuple[torch.nn.Module, list[float]]:
+    """The tiny Llama (or ``model_name``; weights from ``seed``) trained on ``data`` under
+    ``options`` (and torch's activation quantization, ``torch_aq``): the model and its losses."""
     torch._dynamo.reset()
     example, seq = MODELS[model_name]
     model, _ = example.build("tiny_lm", seq=seq, layers=1, seed=seed)
     compiled = torch.compile(model, backend=graphpass.backend(codegen=codegen, **options))
     patch = {"activation_quantization_aten_pass": TORCH_AQ} if torch_aq else {}
     with torch._inductor.config.patch(post_grad_fusion_options=patch):
-        losses = train.train(model, compiled, data)
+        return model, train.train(model, compiled, data, lr=lr)
+
+
+def final_loss(data, *, torch_aq: bool = False, codegen: str = "eager", seed: int = 0,
+               model_name: str = "llama", **options) -> float:
+    """Mean loss of the last 20 steps of the tiny Llama (or ``model_name``; weights from
+    ``seed``) trained on ``data`` under ``options``."""
+    _, losses = _train(data, torch_aq=torch_aq, codegen=codegen, seed=seed, model_name=model_name,
+                       **options)
     return statistics.mean(losses[-20:])
+
+
+def gradient_errors(data, *, levels=LEVELS, codegen: str = "eager", seed: int = 0,
+                    model_name: str = "llama") -> dict[str, tuple[float, float]]:
+    """One step's weight gradients (the first batch of ``data``) of bf16, each cache level and
+    torch's pass, against the exact FP8 run's: each run's smallest and largest relative error
+    (L2 norm) over the weights."""
+    runs = {"bf16": dict(), **{f"fp8_cache={lv}": dict(fp8="tensorwise", fp8_cache=lv)
+                               for lv in levels},
+            "torch's activation quantization": dict(fp8="tensorwise", torch_aq=True)}
+
+    def grads(torch_aq: bool = False, **options) -> dict[str, torch.Tensor]:
+        model, _ = _train(data[:1], torch_aq=torch_aq, codegen=codegen, seed=seed,
+                          model_name=model_name, lr=0.0, **options)
+        return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    exact = grads(fp8="tensorwise")
+    out = {}
+    for name, options in runs.items():
+        got = grads(**options)
+        errors = [((got[n] - g).norm() / g.norm()).item() for n, g in exact.items() if g.norm() > 0]
+        out[name] = (min(errors), max(errors))
+    return out
 
 
 def cache_losses(data, *, levels=LEVELS, codegen: str = "eager", seed: int = 0,
@@ -129,8 +161,20 @@ def main() -> None:
                    help="with --cache: the tiny example to train")
     p.add_argument("--seeds", type=int, default=1,
                    help="with --cache: repeat for seeds 0..N-1 (model weights and data)")
+    p.add_argument("--grad-errors", action="store_true",
+                   help="with --cache: one step's weight-gradient error of each run against the "
+                        "exact FP8 run (seed 0) instead of training")
     args = p.parse_args()
     data = train.batches(vocab=256, batch=2, seq=64, steps=args.steps)
+    if args.cache and args.grad_errors:
+        seq = MODELS[args.model][1]
+        errors = gradient_errors(train.batches(vocab=256, batch=2, seq=seq, steps=1),
+                                 levels=args.levels, codegen=args.codegen, model_name=args.model)
+        print("| run | one step's weight-gradient error vs exact FP8: smallest | largest |\n"
+              "|---|---|---|")
+        for name, (low, high) in errors.items():
+            print(f"| {name} | {low:.2%} | {high:.2%} |")
+        return
     if args.cache:
         seq = MODELS[args.model][1]
         per_seed = []
