@@ -24,7 +24,7 @@ import graphpass  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama", choices=["llama", "gpt", "deepseek"])
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt", "deepseek", "experts"])
     parser.add_argument("--fp8", default=None, choices=["tensorwise", "blockwise", "mxfp8"])
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--fuse-quantize", default=None, choices=["true", "false"])
@@ -36,7 +36,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
 
-    model, inputs = importlib.import_module(f"examples.{args.model}").build(
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # experts: benchmarks/_experts.py
+    module = "_experts" if args.model == "experts" else f"examples.{args.model}"
+    model, inputs = importlib.import_module(module).build(
         "real", layers=1, device="cuda", dtype=torch.bfloat16)
     if args.default_backend:
         backend = "inductor"
@@ -56,6 +58,13 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / args.steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
@@ -64,7 +73,8 @@ def main() -> None:
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) / args.steps / 1e3
     print(f"{args.model}, {'torch default' if args.default_backend else backend!r}: "
-          f"{total:.2f} ms of kernels per step")
+          f"{total:.2f} ms of kernels per step; {wall:.2f} ms per step unprofiled (the rest is "
+          f"the GPU waiting on the host: Python, launches, host syncs)")
 
     def is_gemm(name: str) -> bool:  # cuBLAS(Lt) and CUTLASS GEMMs; cuDNN attention is not one
         name = name.lower()

@@ -4,6 +4,7 @@ against FP8 per recipe and kernel provider.
     python benchmarks/step_time.py                       # every model, recipe and provider
     python benchmarks/step_time.py --models llama --recipes tensorwise --kernels scaled_mm te
     python benchmarks/step_time.py --models experts    # token-grouped expert GEMMs alone
+    python benchmarks/step_time.py --models llama --recipes tensorwise --fp8-cache act_input all
 
 On CUDA it runs the real-size layer in bf16 under Inductor and reports the median of CUDA-event
 timings and the peak memory allocated. Without CUDA it runs the tiny size on CPU with
@@ -29,6 +30,7 @@ from graphpass.fp8 import providers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import WARMUP, Result, measure, reason  # noqa: E402
+from memory import CACHE_LEVELS  # noqa: E402
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 KERNELS = ("reference", "scaled_mm", "te")
@@ -81,6 +83,8 @@ def main() -> None:
                         help="model size (default: real on CUDA, tiny on CPU)")
     parser.add_argument("--codegen", choices=["inductor", "eager"],
                         help="graphpass code generation (default: inductor on CUDA, eager on CPU)")
+    parser.add_argument("--fp8-cache", nargs="+", default=[], choices=CACHE_LEVELS,
+                        help="also run each FP8 config with these fp8_cache levels")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,11 +100,13 @@ def main() -> None:
     for r in args.recipes:
         for k in args.kernels:
             configs.append((f"{r}/{k}", {"fp8": r, "kernels": k}))
+            configs += [(f"{r}/{k} cache={c}", {"fp8": r, "kernels": k, "fp8_cache": c})
+                        for c in args.fp8_cache]
             if r == "tensorwise" and codegen == "inductor":  # the quantize inlining's worth
                 configs.append((f"{r}/{k} opaque q", {"fp8": r, "kernels": k,
                                                       "fuse_quantize": False}))
 
-    header = f"{'model':<9} {'config':<30} {'median ms':>10} {'vs bf16':>8} {'peak GiB':>9}  note"
+    header = f"{'model':<9} {'config':<36} {'median ms':>10} {'vs bf16':>8} {'peak GiB':>9}  note"
     print(header)
     print("-" * len(header))
     for model_name in args.models:
@@ -111,7 +117,7 @@ def main() -> None:
             ms = f"{r.ms:.2f}" if r.ms is not None else "-"
             speedup = f"{baseline / r.ms:.2f}x" if r.ms and baseline else "-"
             peak = f"{r.peak_gib:.2f}" if r.peak_gib is not None else "-"
-            print(f"{r.model:<9} {r.config:<30} {ms:>10} {speedup:>8} {peak:>9}  {r.note}",
+            print(f"{r.model:<9} {r.config:<36} {ms:>10} {speedup:>8} {peak:>9}  {r.note}",
                   flush=True)
 
 

@@ -247,6 +247,40 @@ def test_grouped_quantize_scales_per_group(recipe):
     assert [(f.shape, f.dtype) for f in fake] == [(data.shape, data.dtype), (scale.shape, scale.dtype)]
 
 
+@pytest.mark.parametrize("role", ["input", "grad"])
+def test_tensorwise_grouped_quantize_is_each_group_quantized_alone(role):
+    """Tensorwise grouped quantizes run in one pass over all groups (no loop, no host sync):
+    bit for bit each group quantized on its own by the recipe, with a NaN inside a group, an
+    empty group (scale 1), and inf in rows past offs[-1] (data 0); 3-D expert weights likewise."""
+    torch.manual_seed(0)
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    x[150:333] *= 1000
+    x[120, 3] = float("nan")
+    x[505, 7] = float("inf")  # past offs[-1] = 500
+    offs = torch.tensor(OFFSETS["ragged"], dtype=torch.int32)
+    row, row_s, col, col_s = torch.ops.graphpass.quantize(x, "tensorwise", role, "both", offs)
+    u8 = lambda t: t.view(torch.uint8)  # noqa: E731 (NaN != NaN: compare bits)
+    assert torch.equal(u8(row[500:]), torch.zeros(T - 500, K, dtype=torch.uint8))
+    assert torch.equal(u8(col), u8(row.t().contiguous()))
+    assert row_s[0] == col_s[0] == 1.0
+    start = 0
+    for g, end in enumerate(OFFSETS["ragged"]):
+        if end > start:
+            ref, ref_s = recipes.quantize(x[start:end], "tensorwise", role)
+            assert torch.equal(u8(row[start:end]), u8(ref))
+            assert torch.equal(row_s[g], ref_s) and torch.equal(col_s[g], ref_s)
+        start = end
+    w = torch.randn(E, N, K)
+    w[1] *= 1e-3
+    parts = torch.ops.graphpass.quantize(w, "tensorwise", "weight", "both")
+    for e in range(E):
+        ref = [*recipes.quantize(w[e], "tensorwise", "weight"),
+               *recipes.quantize(w[e], "tensorwise", "weight", columnwise=True)]
+        for got, want in zip(parts, ref):
+            assert torch.equal(got[e].view(torch.uint8) if got.dtype.itemsize == 1 else got[e],
+                               want.view(torch.uint8) if want.dtype.itemsize == 1 else want)
+
+
 def test_token_grouped_experts_plan_at_real_size():
     """DeepSeek-V3 expert shapes, 8k routed tokens, under fake tensors."""
     e, t, k, n = 16, 8192, 7168, 2048

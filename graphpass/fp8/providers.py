@@ -67,9 +67,16 @@ class ScaledMM:
         # cuBLASLt on Hopper is TN-only: mat2 must be column-major, which b.t() of a row-major
         # (N, K) tensor is. Bias must be bf16/fp16 and is refused with an fp32 output, so add it
         # afterwards in those cases.
+        # cuBLASLt also wants the contraction dimension a multiple of 16 (a wgrad over a token
+        # group of 100 rows has K = 100): zero columns on both operands add nothing, so padding
+        # is exact. And it refuses (CUBLAS_STATUS_NOT_SUPPORTED) a scale that is not at the
+        # start of its allocation, which one group's scale, a view into the per-group vector, is.
         fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
+        pad = -a.shape[-1] % 16
+        if pad:
+            a, b = (_pad_last(t, pad) for t in (a, b))
         out = _compat.scaled_mm(
-            a, b.t(), scale_a=a_scale_inv.reshape(()).float(), scale_b=b_scale_inv.reshape(()).float(),
+            a, b.t(), scale_a=_own_scalar(a_scale_inv), scale_b=_own_scalar(b_scale_inv),
             bias=bias if fused_bias else None, out_dtype=out_dtype,
         )
         if bias is not None and not fused_bias:
@@ -89,6 +96,17 @@ class ScaledMM:
             return scaled_grouped_forward(a, a_scale_inv, b, b_scale_inv, offs, out_dtype)
         return grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
                             out_dtype, bias, _PerGroup(self))
+
+
+def _pad_last(t: Tensor, pad: int) -> Tensor:
+    """``t`` with ``pad`` zero columns appended (FP8 zeros are zero bytes; pad has no FP8 kernel)."""
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
+
+
+def _own_scalar(scale: Tensor) -> Tensor:
+    """A one-element fp32 scale in an allocation of its own."""
+    s = scale.reshape(()).float()
+    return s.clone() if s.storage_offset() else s
 
 
 class _PerGroup:
@@ -148,8 +166,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, o
                 sa, sb = (s[:, col:col + blocks] for s in (a_scale_inv, b_scale_inv))
                 col += blocks
                 if pad:
-                    ag, bg = (torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
-                              for t in (ag, bg))
+                    ag, bg = (_pad_last(t, pad) for t in (ag, bg))
             else:
                 sa, sb = a_scale_inv[g], b_scale_inv[g]
             out[g] = provider.gemm(ag.contiguous(), sa, bg.contiguous(), sb, recipe, a_role, b_role,
