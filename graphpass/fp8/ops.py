@@ -293,11 +293,9 @@ def fp8_gemm(
     if offs is not None:
         return providers.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role,
                                       b_role, out_dtype, bias, providers.get(kernel))
-    if a.dim() == 3:  # grouped: one GEMM per group (MoE expert), same layouts
-        return torch.stack([
-            providers.get(kernel).gemm(a[i], a_scale_inv[i], b[i], b_scale_inv[i], recipe, a_role,
-                                       b_role, out_dtype, bias)
-            for i in range(a.shape[0])])
+    if a.dim() == 3:  # batched: one GEMM per group (MoE expert), same layouts
+        return providers.batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
+                                      out_dtype, bias, providers.get(kernel))
     return providers.get(kernel).gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
                                       out_dtype, bias)
 
