@@ -1,6 +1,6 @@
-"""Final loss of the tiny Llama trained 200 steps per FP8 recipe, next to bf16.
+"""Final loss of the tiny Llama (or DeepSeek) trained 200 steps per FP8 recipe, next to bf16.
 
-    python benchmarks/fp8_training.py [--steps 200] [--codegen eager]
+    python benchmarks/fp8_training.py [--steps 200] [--codegen eager] [--model deepseek]
     python benchmarks/fp8_training.py --cache      # the FP8 activation cache's levels (issue 12)
     python benchmarks/fp8_training.py --cache --seeds 5   # over seeds 0..4 (model init and data)
     python benchmarks/fp8_training.py --cache --model deepseek   # the tiny DeepSeek (MLA + MoE)
@@ -158,16 +158,15 @@ def main() -> None:
     p.add_argument("--no-references", action="store_true",
                    help="with --cache: skip the bf16 run and torch's pass (no PASS/FAIL lines)")
     p.add_argument("--model", default="llama", choices=list(MODELS),
-                   help="with --cache: the tiny example to train")
+                   help="the tiny example to train")
     p.add_argument("--seeds", type=int, default=1,
                    help="with --cache: repeat for seeds 0..N-1 (model weights and data)")
     p.add_argument("--grad-errors", action="store_true",
                    help="with --cache: one step's weight-gradient error of each run against the "
                         "exact FP8 run (seed 0) instead of training")
     args = p.parse_args()
-    data = train.batches(vocab=256, batch=2, seq=64, steps=args.steps)
+    seq = MODELS[args.model][1]
     if args.cache and args.grad_errors:
-        seq = MODELS[args.model][1]
         errors = gradient_errors(train.batches(vocab=256, batch=2, seq=seq, steps=1),
                                  levels=args.levels, codegen=args.codegen, model_name=args.model)
         print("| run | one step's weight-gradient error vs exact FP8: smallest | largest |\n"
@@ -176,7 +175,6 @@ def main() -> None:
             print(f"| {name} | {low:.2%} | {high:.2%} |")
         return
     if args.cache:
-        seq = MODELS[args.model][1]
         per_seed = []
         for seed in range(args.seeds):
             seed_data = train.batches(vocab=256, batch=2, seq=seq, steps=args.steps, seed=seed)
@@ -185,13 +183,12 @@ def main() -> None:
                                          references=not args.no_references))
         print_cache_table(per_seed)
         return
+    data = train.batches(vocab=256, batch=2, seq=seq, steps=args.steps)
     rows = []
+    print(f"tiny {args.model}, 1 layer, {args.steps} steps of {2 * seq} tokens, codegen={args.codegen}")
     for recipe in (None, "tensorwise", "blockwise", "mxfp8"):
-        torch._dynamo.reset()
-        model, _ = llama.build("tiny_lm", seq=64, layers=1)
-        compiled = torch.compile(model, backend=graphpass.backend(codegen=args.codegen, fp8=recipe))
-        losses = train.train(model, compiled, data)
-        rows.append((recipe or "bf16", statistics.mean(losses[-20:])))
+        rows.append((recipe or "bf16", final_loss(data, codegen=args.codegen,
+                                                  model_name=args.model, fp8=recipe)))
         print(f"{rows[-1][0]}: done", file=sys.stderr)
     base = rows[0][1]
     print("| recipe | final loss (mean of last 20 steps) | vs bf16 |\n|---|---|---|")

@@ -293,15 +293,22 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
     monkeypatch.setattr(ops, "_k_major", lambda t: strides.append(t.stride()) or k_major(t))
 
     model, inputs = llama.build("tiny", layers=1, seq=64, device=device, dtype=torch.bfloat16)
-    with inductor_config.patch(emulate_precision_casts=True):
-        opaque, opaque_code = _inductor_step(model, inputs, fp8="tensorwise", fuse_quantize=False)
+    with monkeypatch.context() as m, inductor_config.patch(emulate_precision_casts=True):
+        # The opaque baseline is the path where Inductor's code would not round fused bf16 values
+        # as eager does (torch 2.11's C++ backend ignores emulate_precision_casts; forced here so
+        # that every version runs it): fused quantizes would not give the recipe's FP8 bits, so
+        # the backend keeps each quantize one op and the report says why.
+        m.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: False)
+        opaque, opaque_code = _inductor_step(model, inputs, fp8="tensorwise")
+        assert [n for n in graphpass.last_report().notes if n.startswith("fuse_quantize: off: torch ")
+                and "each quantize runs as one op" in n]
     seen = []  # a user's post-grad pass runs before the inlining and sees every quantize
     with inductor_config.patch(post_grad_custom_pre_pass=_count_quantizes(seen)):
         fused, fused_code = _inductor_step(model, inputs, fp8="tensorwise")
     assert len(seen) == 2 and all(seen)  # forward and backward
     assert "graphpass.quantize" in opaque_code
     if not _compat.inductor_rounds_fused_casts(device_types=[device]):
-        # torch 2.11 on CPU: fusion is off, with a note (test_fuse_quantize_off_where_...)
+        # torch 2.11 on CPU: fusion is off, with the note asserted above
         assert "graphpass.quantize" in fused_code
     elif device == "cpu":
         assert "graphpass.quantize" not in fused_code
@@ -312,17 +319,15 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
     assert len(strides) >= 2 * 3 * 7 and all(s[-1] == 1 for s in strides), strides
 
 
-def test_fuse_quantize_off_where_inductor_would_change_the_bits(monkeypatch):
-    """Where Inductor's code would not round fused bf16 values as eager does (torch 2.11's C++
-    backend ignores emulate_precision_casts), fused quantizes would give other FP8 bits than
-    the recipe: the backend keeps each quantize one op and the report says why. Forced here so
-    that every torch version runs this path; on 2.11 CPU it is the real one."""
-    monkeypatch.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: False)
-    model, inputs = llama.build("tiny", layers=1, seq=16)
-    _, code = _inductor_step(model, inputs, fp8="tensorwise")
-    assert "graphpass.quantize" in code
-    assert [n for n in graphpass.last_report().notes if n.startswith("fuse_quantize: off: torch ")
-            and "each quantize runs as one op" in n]
+def test_fuse_quantize_false_keeps_every_quantize_one_op():
+    """``fuse_quantize=False`` is the same Inductor compile as the fusion-off path of
+    test_inlined_quantize_is_bit_identical_to_the_op: no inlining pass, no precision patches."""
+    cpu = [torch.empty(1)]
+    off = graphpass.backend(fp8="tensorwise", fuse_quantize=False)._inductor_patches(cpu)
+    assert set(off) == {"custom_partitioner_fn"}
+    on = graphpass.backend(fp8="tensorwise")._inductor_patches(cpu)
+    assert ("post_grad_custom_pre_pass" in on) == _compat.inductor_rounds_fused_casts(
+        device_types=["cpu"])
 
 
 def test_which_quantizes_are_inlined_and_the_notes_that_say_so(monkeypatch):
