@@ -156,12 +156,12 @@ def _quantize_groups_tensorwise(x: Tensor, recipe: str, role: str, columnwise: b
     t, groups = x.shape[0], offs.shape[0]
     x32 = x.to(torch.float32)
     group = torch.searchsorted(offs, torch.arange(t, device=x.device, dtype=offs.dtype),
-                               right=True)  # groups for rows past the end
+                               right=True).long()  # `groups` for rows past the end
     row_amax = recipes._abs_amax(x32, (1,)) if x32.numel() else x32.new_zeros(t)
-    amax = x32.new_zeros(groups + 1).scatter_reduce(0, group.long(), row_amax, "amax")[:groups]
+    amax = x32.new_zeros(groups + 1).scatter_reduce(0, group, row_amax, "amax")[:groups]
     scale = _tensorwise_scale(amax, recipe, role)
     inside = (group < groups)[:, None]
-    row_scale = torch.cat([scale, scale.new_ones(1)])[group.long()][:, None]
+    row_scale = torch.cat([scale, scale.new_ones(1)])[group][:, None]
     data = _scaled_cast(torch.where(inside, x32, 0.0), row_scale, recipe, role)
     return [(data.t() if columnwise else data).contiguous(), torch.reciprocal(scale)]
 
