@@ -477,6 +477,27 @@ def test_scaled_mm_provider_runs_token_groups_per_group_on_cpu():
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
 
 
+def test_scaled_mm_calls_follow_cublaslt_rules(monkeypatch):
+    """Two rules of cuBLASLt's FP8 GEMM that torch._scaled_mm's CPU emulation does not enforce,
+    both found on an H100: the contraction dimension a multiple of 16 (a token group's wgrad
+    contracts over its 100 tokens), and each scale in its own allocation (a view into the
+    per-group scale vector gave CUBLAS_STATUS_NOT_SUPPORTED). Checked here on every call the
+    per-group path makes on the CPU."""
+    from graphpass import _compat
+
+    calls, real = [], _compat.scaled_mm
+
+    def checked(a, b, *, scale_a, scale_b, bias, out_dtype):
+        calls.append(a.shape)
+        assert a.shape[-1] % 16 == 0 and b.shape[0] % 16 == 0, (a.shape, b.shape)
+        assert scale_a.storage_offset() == 0 and scale_b.storage_offset() == 0
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+
+    monkeypatch.setattr(_compat, "scaled_mm", checked)
+    _compiled_token_groups("tensorwise", "scaled_mm", "cpu")  # ragged: groups of 100, 233, 167
+    assert len(calls) == 3 * 3  # forward, dgrad and wgrad of the three non-empty groups
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("offsets", OFFSETS)
