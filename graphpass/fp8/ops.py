@@ -17,6 +17,8 @@ from . import providers, recipes
 
 
 USAGES = ("rowwise", "columnwise", "both")
+# The copies each usage makes, as ``columnwise`` flags, in output order.
+_COLUMNWISE = {"rowwise": (False,), "columnwise": (True,), "both": (False, True)}
 
 
 def _quantize(x: Tensor, recipe: str, role: str, usage: str,
@@ -32,7 +34,7 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str,
         raise ValueError(f"unknown quantize usage {usage!r}; valid usages are {USAGES}")
     if offs is not None:
         out = []
-        for columnwise in {"rowwise": (False,), "columnwise": (True,), "both": (False, True)}[usage]:
+        for columnwise in _COLUMNWISE[usage]:
             out += _quantize_groups(x, recipe, role, columnwise, offs)
         return out
     if x.dim() == 3:
@@ -43,7 +45,7 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str,
         per_group = [_quantize(g, recipe, role, usage) for g in x.unbind(0)]
         return [torch.stack(parts) for parts in zip(*per_group)]
     out: list[Tensor] = []
-    for columnwise in {"rowwise": (False,), "columnwise": (True,), "both": (False, True)}[usage]:
+    for columnwise in _COLUMNWISE[usage]:
         out += recipes.quantize(x, recipe, role, columnwise=columnwise)
     return out
 
@@ -118,30 +120,17 @@ def _quantize_groups(x: Tensor, recipe: str, role: str, columnwise: bool,
     return [data, scale]
 
 
-def _scaled_cast(x32: Tensor, scale: Tensor, recipe: str, role: str) -> Tensor:
-    """``recipes.quantize``'s tensorwise cast, elementwise with a scale per element (broadcast):
-    the same fp32 product and saturating cast, so the same bits as quantizing each part alone."""
-    return recipes._saturating_cast(x32 * scale, recipes.fp8_dtype(recipe, role))
-
-
-def _tensorwise_scale(amax: Tensor, recipe: str, role: str) -> Tensor:
-    r = recipes.get_recipe(recipe)
-    return recipes.compute_scale_from_amax(amax, recipes.fp8_max(recipes.fp8_dtype(recipe, role)),
-                                           power_2_scales=r.power_2_scales,
-                                           amax_epsilon=r.amax_epsilon)
-
-
 def _quantize_experts_tensorwise(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
     """Tensorwise (G, N, K) expert weights, one scale per expert, in one pass over all experts
     (a loop of per-expert quantizes was 10 kernel launches per expert): bit-identical to it, since
     max is exact and everything after the amax is elementwise."""
     x32 = x.to(torch.float32)
     amax = recipes._abs_amax(x32, (1, 2)) if x32.numel() else x32.new_zeros(x.shape[0])
-    scale = _tensorwise_scale(amax, recipe, role)
-    data = _scaled_cast(x32, scale[:, None, None], recipe, role)
+    scale = recipes.tensorwise_scale(amax, recipe, role)
+    data = recipes.scaled_cast(x32, scale[:, None, None], recipe, role)
     scale_inv = torch.reciprocal(scale)
     out: list[Tensor] = []
-    for columnwise in {"rowwise": (False,), "columnwise": (True,), "both": (False, True)}[usage]:
+    for columnwise in _COLUMNWISE[usage]:
         d = data.transpose(-2, -1) if columnwise else data
         out += [d.contiguous(), scale_inv.clone() if out else scale_inv]
     return out
@@ -159,10 +148,10 @@ def _quantize_groups_tensorwise(x: Tensor, recipe: str, role: str, columnwise: b
                                right=True).long()  # `groups` for rows past the end
     row_amax = recipes._abs_amax(x32, (1,)) if x32.numel() else x32.new_zeros(t)
     amax = x32.new_zeros(groups + 1).scatter_reduce(0, group, row_amax, "amax")[:groups]
-    scale = _tensorwise_scale(amax, recipe, role)
+    scale = recipes.tensorwise_scale(amax, recipe, role)
     inside = (group < groups)[:, None]
     row_scale = torch.cat([scale, scale.new_ones(1)])[group][:, None]
-    data = _scaled_cast(torch.where(inside, x32, 0.0), row_scale, recipe, role)
+    data = recipes.scaled_cast(torch.where(inside, x32, 0.0), row_scale, recipe, role)
     return [(data.t() if columnwise else data).contiguous(), torch.reciprocal(scale)]
 
 
@@ -192,7 +181,7 @@ def _quantize_fake(x: Tensor, recipe: str, role: str, usage: str,
                    offs: Optional[Tensor] = None) -> list[Tensor]:
     if offs is not None:
         out = []
-        for columnwise in {"rowwise": (False,), "columnwise": (True,), "both": (False, True)}[usage]:
+        for columnwise in _COLUMNWISE[usage]:
             out += _quantize_groups_fake(x, recipe, role, columnwise, offs)
         return out
     key = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device.type, recipe, role, usage)

@@ -91,11 +91,26 @@ class ScaledMM:
         ``_scaled_mm`` per group: the grouped kernel takes E4M3 operands only (tensorwise's E5M2
         gradients), and the wgrad's groups split the contraction dimension, which it needs
         aligned to 16 tokens."""
-        if (a.device.type == "cuda" and b.dim() == 3 and bias is None
-                and a.dtype == b.dtype == recipes.E4M3 and _compat.has_scaled_grouped_mm()):
+        if b.dim() == 3 and _grouped_kernel_runs(a, b, bias):
             return scaled_grouped_forward(a, a_scale_inv, b, b_scale_inv, offs, out_dtype)
         return grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
                             out_dtype, bias, _PerGroup(self))
+
+    def batched_gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
+                     bias):
+        """3-D operands (``fp8_gemm`` of ``bmm`` experts): the forward as one
+        ``torch._scaled_grouped_mm`` where it runs, else one ``_scaled_mm`` per expert."""
+        if a.shape[-1] % 16 == 0 and b.shape[1] % 16 == 0 and _grouped_kernel_runs(a, b, bias):
+            return _scaled_batched_forward(a, a_scale_inv, b, b_scale_inv, out_dtype)
+        return batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
+                            bias, _PerGroup(self))
+
+
+def _grouped_kernel_runs(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` takes these operands: CUDA, no bias, both E4M3 (it
+    refuses tensorwise's E5M2 gradients)."""
+    return (a.device.type == "cuda" and bias is None and a.dtype == b.dtype == recipes.E4M3
+            and _compat.has_scaled_grouped_mm())
 
 
 def _pad_last(t: Tensor, pad: int) -> Tensor:
@@ -125,13 +140,11 @@ def _scaled_batched_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_i
 
 def batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias,
                  provider) -> Tensor:
-    """``fp8_gemm`` over 3-D operands (G, M, K) x (G, N, K): (G, M, N), one GEMM per group. On
-    CUDA, the tensorwise forward (both operands E4M3) is one grouped kernel
-    (``torch._scaled_grouped_mm``, which takes E4M3 only: E5M2 gradients loop over the groups)."""
-    if (isinstance(provider, ScaledMM) and a.device.type == "cuda" and bias is None
-            and a.dtype == b.dtype == recipes.E4M3 and _compat.has_scaled_grouped_mm()
-            and a.shape[-1] % 16 == 0 and b.shape[1] % 16 == 0):
-        return _scaled_batched_forward(a, a_scale_inv, b, b_scale_inv, out_dtype)
+    """``fp8_gemm`` over 3-D operands (G, M, K) x (G, N, K): (G, M, N), one GEMM per group:
+    the provider's own batched GEMM where it has one, else one of its GEMMs per group."""
+    if hasattr(provider, "batched_gemm"):
+        return provider.batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
+                                     out_dtype, bias)
     out = a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)
     for i in range(a.shape[0]):
         out[i] = provider.gemm(a[i], a_scale_inv[i], b[i], b_scale_inv[i], recipe, a_role, b_role,
@@ -140,7 +153,7 @@ def batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dty
 
 
 class _PerGroup:
-    """A provider seen without its grouped GEMM: ``grouped_gemm`` loops over its ``gemm``."""
+    """A provider seen without its grouped and batched GEMMs: they loop over its ``gemm``."""
 
     def __init__(self, provider: Provider) -> None:
         self.gemm = provider.gemm

@@ -292,6 +292,23 @@ def _untile(t: torch.Tensor, m: int, k: int) -> torch.Tensor:
     return t.reshape(mb * bm, kb * bk)[:m, :k]
 
 
+def tensorwise_scale(amax: torch.Tensor, recipe: Recipe | str, role: Role) -> torch.Tensor:
+    """The tensorwise scale of fp32 ``amax`` (elementwise: one amax per tensor, or per expert or
+    token group where ``amax`` holds several)."""
+    recipe = _as_recipe(recipe)
+    return compute_scale_from_amax(amax, fp8_max(fp8_dtype(recipe, role)),
+                                   power_2_scales=recipe.power_2_scales,
+                                   amax_epsilon=recipe.amax_epsilon)
+
+
+def scaled_cast(x32: torch.Tensor, scale: torch.Tensor, recipe: Recipe | str,
+                role: Role) -> torch.Tensor:
+    """Tensorwise FP8 data of fp32 ``x32``: ``fp8(x32 * scale)``, saturating, with ``scale``
+    broadcast. Elementwise, so parts scaled by their own scales in one call get the bits of each
+    part quantized alone."""
+    return _saturating_cast(x32 * scale, fp8_dtype(recipe, role))
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """The fp32 amax of a whole tensor, NaN ignored, 0 for an empty one: what tensorwise scaling
     reads. The max of the amaxes of a tensor's parts is the amax of the whole, exactly (max is
@@ -341,10 +358,8 @@ def quantize(
         # amax() rejects empty tensors; TE's amax kernel starts from 0.
         if amax is None:
             amax = _abs_amax(x32, (0, 1)) if x32.numel() else x32.new_zeros(())
-        scale = compute_scale_from_amax(
-            amax, fmax, power_2_scales=recipe.power_2_scales, amax_epsilon=recipe.amax_epsilon
-        )
-        return _saturating_cast(x32 * scale, dtype).contiguous(), torch.reciprocal(scale)
+        scale = tensorwise_scale(amax, recipe, role)
+        return scaled_cast(x32, scale, recipe, role).contiguous(), torch.reciprocal(scale)
 
     tiles = _tiles(x32, *block)
     amax = _abs_amax(tiles, (1, 3))
