@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def batches(vocab: int, batch: int, seq: int, steps: int, *, seed: int = 0,
@@ -52,3 +53,30 @@ def train(model: nn.Module, step_fn: Callable[[torch.Tensor], torch.Tensor],
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+class bf16_gemms_in_fp32(TorchDispatchMode):
+    """Within it, a bf16 ``mm`` / ``addmm`` / ``bmm`` runs as the fp32 GEMM of its bf16 operands,
+    rounded to bf16 once: what a GPU's bf16 GEMM computes (fp32 accumulation, one rounding), in
+    another summation order than the CPU's own bf16 kernel, which accumulates in fp32 as well.
+
+    For CPU reference runs only: on CPUs without AVX-512 BF16 (this project's CI machines) torch's
+    bf16 GEMM is a scalar loop, 75-100x slower than fp32 (DEVELOPERS.md); the tiny Llama's 200-step
+    bf16 run took 42.6 s with it and 10.7 s within this mode, final loss 2.5356 vs 2.5347 (torch
+    2.13, one core). torch.compile compiles under it (``ignore_compile_internals``: without it,
+    Dynamo would run the model eagerly) and a graph compiled with ``codegen="eager"`` runs its aten
+    calls through it."""
+
+    _GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                        torch.ops.aten.bmm.default})
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._GEMMS and args[-1].dtype == torch.bfloat16 and args[-1].device.type == "cpu":
+            args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+            return func(*args, **kwargs).to(torch.bfloat16)
+        return func(*args, **kwargs)
