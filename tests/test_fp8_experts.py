@@ -715,3 +715,87 @@ def test_quantize_before_dispatch_keeps_the_users_checkpoint_policy():
     # the dispatch the policy saves, and the graphpass quantize its region's policy covers
     assert ": your checkpoint policy decides index (MUST_SAVE), quantize" in notes[0], notes
     assert not any(n.startswith("dispatch: mlp.experts: aten.index") for n in report.notes)
+
+
+# --- Transformer Engine's grouped GEMM, as graphpass calls it (CI has no TE: its two entry points
+# are stood in for here, on the CPU; tests/test_te.py checks the keywords against the real ones)
+
+class _StandInStorage:
+    """TE's Float8TensorStorage as graphpass builds it: data, one fp32 scale_inv, the TE dtype."""
+
+    def __init__(self, *, data, fp8_scale_inv, fp8_dtype, data_transpose, quantizer):
+        assert data_transpose is None and quantizer is None
+        assert fp8_scale_inv.shape == (1,) and fp8_scale_inv.dtype == torch.float32
+        self.data, self.scale_inv, self.fp8_dtype = data, fp8_scale_inv, fp8_dtype
+
+    def dequantize(self):
+        return self.data.float() * self.scale_inv
+
+
+def _stand_in_te(calls: list):
+    from graphpass.fp8.te import TransformerEngine
+
+    def cublaslt_rules(A, B):  # the rules the H100 taught (test_scaled_mm_calls_follow_...)
+        assert A.data.shape[-1] % 16 == 0 and A.data.shape[-1] == B.data.shape[-1]
+        assert A.scale_inv.storage_offset() == 0 and B.scale_inv.storage_offset() == 0
+
+    def general_gemm(A, B, *, out_dtype, layout, bias, use_split_accumulator):
+        calls.append(("gemm", 1, use_split_accumulator))
+        assert layout == "TN" and bias is None
+        cublaslt_rules(A, B)
+        return ((B.dequantize() @ A.dequantize().t()).to(out_dtype),)
+
+    def general_grouped_gemm(A, B, out, *, quantization_params, out_dtype, layout, single_output,
+                             use_split_accumulator):
+        calls.append(("grouped", len(A), use_split_accumulator))
+        assert layout == "TN" and not single_output and quantization_params == [None] * len(A)
+        assert len(A) == len(B) == len(out)
+        for a, b, o in zip(A, B, out):  # TN: out = B @ A.T, written in place
+            cublaslt_rules(a, b)
+            o.copy_((b.dequantize() @ a.dequantize().t()).to(o.dtype))
+        return out, None, None
+
+    te = TransformerEngine.__new__(TransformerEngine)  # its __init__ imports TE
+    te._storage, te._gemm, te._grouped_gemm = _StandInStorage, general_gemm, general_grouped_gemm
+    te._te_dtype = {recipes.E4M3: "E4M3", recipes.E5M2: "E5M2"}
+    te.supports = lambda recipe, device: None  # the kernels run on the CPU here
+    return te
+
+
+def test_te_runs_each_grouped_gemm_as_one_grouped_call(monkeypatch):
+    """kernels='te' on experts: each grouped or batched GEMM is one general_grouped_gemm (TE's
+    grouped GEMM) of its non-empty groups, TN, with cuBLASLt's rules met (token groups of 100,
+    233 and 167: wgrads contract over those, padded to 16); the numbers are the reference
+    provider's (the same dequantized products, accumulated in fp32; where the wgrad's tokens are
+    zero-padded the fp32 sum runs in another order: within one bf16 ulp)."""
+    from graphpass.fp8 import providers
+
+    calls, real_get = [], providers.get
+    te = _stand_in_te(calls)
+    ref = _compiled_token_groups("tensorwise", "reference", "cpu")
+    ref_bmm = _compiled_bmm_experts("reference")
+    monkeypatch.setattr(providers, "te_available", lambda: True)
+    monkeypatch.setattr(providers, "get", lambda name: te if name == "te" else real_get(name))
+
+    got = _compiled_token_groups("tensorwise", "te", "cpu")
+    assert "lowered: <root> (te/tensorwise)" in graphpass.last_report().notes
+    # forward (input x weight), dgrad (grad x weight), wgrad (grad x input): 3 non-empty groups
+    assert sorted(calls) == [("grouped", 3, False), ("grouped", 3, True), ("grouped", 3, True)]
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])  # y, dgrad
+    torch.testing.assert_close(got[2], ref[2], rtol=2**-7, atol=0)  # wgrad over padded tokens
+
+    calls.clear()
+    got = _compiled_bmm_experts("te")
+    assert sorted(calls) == [("grouped", E, False), ("grouped", E, True), ("grouped", E, True)]
+    assert all(torch.equal(g, r) for r, g in zip(ref_bmm, got))
+
+
+def _compiled_bmm_experts(kernels):
+    torch.manual_seed(0)
+    experts = Experts()
+    x, grad_y = torch.randn(E, C, K, requires_grad=True), torch.randn(E, C, N)
+    torch._dynamo.reset()
+    y = torch.compile(experts, backend=graphpass.backend(codegen="eager", fp8="tensorwise",
+                                                         kernels=kernels))(x)
+    y.backward(grad_y)
+    return y.detach(), x.grad, experts.weight.grad

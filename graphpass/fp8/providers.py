@@ -14,7 +14,7 @@ import functools
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -138,22 +138,46 @@ def _scaled_batched_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_i
     return torch._scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, scale_b, out_dtype=out_dtype)
 
 
+class Job(NamedTuple):
+    """One GEMM of a grouped or batched GEMM: ``out = dequant(a) @ dequant(b).T (+ bias)``,
+    written into ``out``, a view of the whole result."""
+
+    a: Tensor
+    a_scale_inv: Tensor
+    b: Tensor
+    b_scale_inv: Tensor
+    out: Tensor
+    bias: Optional[Tensor] = None
+
+
+def run_jobs(jobs: list[Job], recipe, a_role, b_role, out_dtype, provider) -> None:
+    """Each job's GEMM: all at once with the provider's ``gemm_many`` where it has one (TE's
+    grouped GEMM), else one of its GEMMs per job."""
+    if not jobs:
+        return
+    if hasattr(provider, "gemm_many"):
+        provider.gemm_many(jobs, recipe, a_role, b_role, out_dtype)
+        return
+    for j in jobs:
+        j.out.copy_(provider.gemm(j.a, j.a_scale_inv, j.b, j.b_scale_inv, recipe, a_role, b_role,
+                                  out_dtype, j.bias))
+
+
 def batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias,
                  provider) -> Tensor:
     """``fp8_gemm`` over 3-D operands (G, M, K) x (G, N, K): (G, M, N), one GEMM per group:
-    the provider's own batched GEMM where it has one, else one of its GEMMs per group."""
+    the provider's own batched GEMM where it has one, else one job per group."""
     if hasattr(provider, "batched_gemm"):
         return provider.batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
                                      out_dtype, bias)
     out = a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)
-    for i in range(a.shape[0]):
-        out[i] = provider.gemm(a[i], a_scale_inv[i], b[i], b_scale_inv[i], recipe, a_role, b_role,
-                               out_dtype, bias)
+    run_jobs([Job(a[i], a_scale_inv[i], b[i], b_scale_inv[i], out[i], bias)
+              for i in range(a.shape[0])], recipe, a_role, b_role, out_dtype, provider)
     return out
 
 
 class _PerGroup:
-    """A provider seen without its grouped and batched GEMMs: they loop over its ``gemm``."""
+    """A provider seen without its grouped and batched GEMMs: they run its ``gemm`` per job."""
 
     def __init__(self, provider: Provider) -> None:
         self.gemm = provider.gemm
@@ -177,44 +201,40 @@ def scaled_grouped_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_in
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype, bias,
                  provider) -> Tensor:
-    """``fp8_gemm`` with offsets: the provider's own grouped GEMM where it has one, else one of
-    its GEMMs per group on the group's slices."""
+    """``fp8_gemm`` with offsets: the provider's own grouped GEMM where it has one, else one job
+    per non-empty group on the group's slices."""
     if hasattr(provider, "grouped_gemm"):
         return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
                                      out_dtype, bias)
-    split_k = b.dim() == 2
     if bias is not None:
         raise ValueError("a grouped FP8 GEMM takes no bias")
+    split_k = b.dim() == 2
     if split_k:
         out = a.new_zeros((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
     else:
         out = a.new_zeros((a.shape[0], b.shape[-2]), dtype=out_dtype)
+    jobs = []
     start, col = 0, 0
+    shape = recipes.block_shape(recipe, a_role)  # wgrad's blocks run along the tokens
+    block = shape[1] if shape and split_k else 0
     for g, end in enumerate(offs.tolist()):
         n = end - start
-        if not split_k:
-            if n > 0:
-                sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[start:end]
-                out[start:end] = provider.gemm(a[start:end], sa, b[g], b_scale_inv[g], recipe,
-                                               a_role, b_role, out_dtype, None)
-            start = end
-            continue
-        shape = recipes.block_shape(recipe, a_role)  # wgrad's blocks run along the tokens
-        block = shape[1] if shape else 0
-        if n > 0:
-            pad = -n % block if block else 0
+        if n > 0 and not split_k:
+            sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[start:end]
+            jobs.append(Job(a[start:end], sa, b[g], b_scale_inv[g], out[start:end]))
+        elif n > 0:
             ag, bg = a[:, start:end], b[:, start:end]
             if block:  # whole blocks of the group: its scale columns, its data zero-padded
                 blocks = -(-n // block)
                 sa, sb = (s[:, col:col + blocks] for s in (a_scale_inv, b_scale_inv))
                 col += blocks
-                if pad:
-                    ag, bg = (_pad_last(t, pad) for t in (ag, bg))
+                if n % block:
+                    ag, bg = (_pad_last(t, -n % block) for t in (ag, bg))
             else:
                 sa, sb = a_scale_inv[g], b_scale_inv[g]
-            out[g] = provider.gemm(ag.contiguous(), sa, bg.contiguous(), sb, recipe, a_role, b_role,
-                                   out_dtype, None)
+            jobs.append(Job(ag.contiguous(), sa, bg.contiguous(), sb, out[g]))
         start = end
+    run_jobs(jobs, recipe, a_role, b_role, out_dtype, provider)
     return out
 
 

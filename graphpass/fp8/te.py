@@ -6,6 +6,10 @@ seeing (and saving) plain tensors. Both operands are K-major, which is TE's ``"T
 ``general_gemm(A, B, layout="TN")`` computes ``B @ A.T`` (§1 of the TE reference notes), so
 ``a @ b.T`` is ``general_gemm(b, a)``.
 
+The GEMMs of a grouped or batched ``fp8_gemm`` (MoE experts: one per token group or expert, and
+the per-group wgrads) go to TE in one ``general_grouped_gemm`` call, TE's multi-stream grouped
+GEMM (what its ``GroupedLinear`` calls), not one ``general_gemm`` per group.
+
 Only per-tensor scaling (``fp8="tensorwise"``) is wired to TE here: TE's block-scaled storages
 expect padded, GEMM-swizzled scale layouts that differ between TE releases.
 """
@@ -17,11 +21,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .providers import Job, _own_scalar, _pad_last
+
 # The TE entry points graphpass calls, with the keyword arguments it passes; the TE test checks
 # them against the installed TE's real signatures.
 CALLS = {
     "transformer_engine.pytorch.cpp_extensions.general_gemm": (
         "out_dtype", "layout", "bias", "use_split_accumulator"),
+    "transformer_engine.pytorch.cpp_extensions.general_grouped_gemm": (
+        "quantization_params", "out_dtype", "layout", "single_output", "use_split_accumulator"),
     "transformer_engine.pytorch.tensor.storage.float8_tensor_storage.Float8TensorStorage": (
         "data", "fp8_scale_inv", "fp8_dtype", "data_transpose", "quantizer"),
 }
@@ -33,12 +41,13 @@ class TransformerEngine:
     def __init__(self) -> None:
         import transformer_engine.pytorch  # noqa: F401  (fails clearly where TE is absent)
         import transformer_engine_torch as tex
-        from transformer_engine.pytorch.cpp_extensions import general_gemm
+        from transformer_engine.pytorch.cpp_extensions import general_gemm, general_grouped_gemm
         from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
             Float8TensorStorage,
         )
 
         self._gemm = general_gemm
+        self._grouped_gemm = general_grouped_gemm
         self._storage = Float8TensorStorage
         self._te_dtype = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3,
                           torch.float8_e5m2: tex.DType.kFloat8E5M2}
@@ -55,16 +64,44 @@ class TransformerEngine:
                              fp8_dtype=self._te_dtype[data.dtype], data_transpose=None,
                              quantizer=None)
 
+    def _operands(self, a, a_scale_inv, b, b_scale_inv):
+        """TE's ``(A, B)`` for ``a @ b.T``: ``(b, a)`` wrapped. cuBLASLt's FP8 rules hold here as
+        for ``torch._scaled_mm`` (providers.ScaledMM.gemm): the contraction dimension zero-padded
+        to a multiple of 16 (exact), each scale in an allocation of its own."""
+        pad = -a.shape[-1] % 16
+        if pad:
+            a, b = (_pad_last(t, pad) for t in (a, b))
+        return (self._wrap(b, _own_scalar(b_scale_inv)), self._wrap(a, _own_scalar(a_scale_inv)))
+
     def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
              bias: Optional[Tensor]):
         # TE's FP8 GEMMs take a bf16/fp16 bias in the epilogue (linear.py casts fp32 to bf16).
         fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
         out = self._gemm(
-            self._wrap(b, b_scale_inv), self._wrap(a, a_scale_inv), out_dtype=out_dtype,
+            *self._operands(a, a_scale_inv, b, b_scale_inv), out_dtype=out_dtype,
             layout="TN", bias=bias.to(out_dtype) if fused_bias else None,
-            # Float8CurrentScaling: split accumulator off for fprop, on for dgrad/wgrad (§5).
-            use_split_accumulator="grad" in (a_role, b_role),
+            use_split_accumulator=_split_accumulator(a_role, b_role),
         )[0]
         if bias is not None and not fused_bias:
             out = out + bias.to(out_dtype)
         return out
+
+    def gemm_many(self, jobs: list[Job], recipe, a_role, b_role, out_dtype) -> None:
+        """Every job's GEMM in one ``general_grouped_gemm``, each written into its job's ``out``
+        (``single_output=False``: the outs are views TE writes in place). Jobs with a bias (none
+        of graphpass's expert lowerings makes one) run one ``general_gemm`` each."""
+        if any(j.bias is not None for j in jobs):
+            for j in jobs:
+                j.out.copy_(self.gemm(j.a, j.a_scale_inv, j.b, j.b_scale_inv, recipe, a_role,
+                                      b_role, out_dtype, j.bias))
+            return
+        operands = [self._operands(j.a, j.a_scale_inv, j.b, j.b_scale_inv) for j in jobs]
+        self._grouped_gemm(
+            [a for a, _ in operands], [b for _, b in operands], [j.out for j in jobs],
+            quantization_params=[None] * len(jobs), out_dtype=out_dtype, layout="TN",
+            single_output=False, use_split_accumulator=_split_accumulator(a_role, b_role))
+
+
+def _split_accumulator(a_role: str, b_role: str) -> bool:
+    """Float8CurrentScaling: split accumulator off for fprop, on for dgrad/wgrad (§5)."""
+    return "grad" in (a_role, b_role)
