@@ -71,3 +71,34 @@ def test_te_operand_dequantizes_like_the_recipe(role):
     torch.testing.assert_close(storage.dequantize(dtype=torch.float32),
                                recipes.dequantize(data, scale_inv, "tensorwise", role),
                                rtol=0, atol=0)
+
+
+def test_te_grouped_gemm_operands_mean_the_reference(monkeypatch):
+    """The TE storages graphpass builds for the experts' grouped GEMMs (per-group slices, tokens
+    zero-padded to 16, scales copied into their own allocations) dequantize, by TE's own code, to
+    what the reference provider multiplies. TE's kernels need a GPU, so TE's grouped GEMM is
+    computed here from the operands exactly as graphpass hands them to it."""
+    from test_fp8_experts import _compiled_token_groups
+
+    from graphpass.fp8 import providers
+    from graphpass.fp8.te import TransformerEngine
+
+    calls, real_get = [], providers.get
+    te = TransformerEngine()
+
+    def grouped(A, B, out, *, quantization_params, out_dtype, layout, single_output,
+                use_split_accumulator):
+        calls.append(len(A))
+        for a, b, o in zip(A, B, out):  # TN: out = B @ A.T
+            o.copy_((b.dequantize(dtype=torch.float32) @ a.dequantize(dtype=torch.float32).t())
+                    .to(o.dtype))
+        return out, None, None
+
+    te._grouped_gemm = grouped
+    te.supports = lambda recipe, device: None
+    ref = _compiled_token_groups("tensorwise", "reference", "cpu")
+    monkeypatch.setattr(providers, "get", lambda name: te if name == "te" else real_get(name))
+    got = _compiled_token_groups("tensorwise", "te", "cpu")
+    assert calls == [3, 3, 3]  # forward, dgrad, wgrad: each one grouped call of 3 groups
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2], rtol=2**-7, atol=0)  # wgrad over padded tokens
