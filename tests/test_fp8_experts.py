@@ -71,7 +71,7 @@ def test_grouped_scales_are_per_expert():
 
 @pytest.mark.parametrize("recipe,capacity,reason", [
     ("blockwise", 64, "M=64 not a multiple of 128"),
-    ("tensorwise", 8, "M=8 not a multiple of 16"),
+    ("mxfp8", 16, "M=16 not a multiple of 32"),  # tensorwise takes any M (tests/test_fp8_lowering.py)
 ])
 def test_misaligned_experts_are_noted(recipe, capacity, reason):
     x = torch.randn(E, capacity, K, requires_grad=True)
@@ -799,3 +799,59 @@ def _compiled_bmm_experts(kernels):
                                                          kernels=kernels))(x)
     y.backward(grad_y)
     return y.detach(), x.grad, experts.weight.grad
+
+
+# --- per-expert loops of linears: each expert an nn.Linear called on the tokens routed to it
+
+class _LoopedExperts(nn.Module):
+    """transformers' "eager" experts in miniature: ``nonzero`` picks each expert's tokens, whose
+    count is known only at run time (an unbacked size once dynamo captures ``nonzero``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(K, N, bias=False) for _ in range(E))
+
+    def forward(self, x, choice):
+        out = x.new_zeros(x.shape[0], N)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().squeeze(-1)
+            out = out.index_add(0, idx, expert(x[idx]))
+        return out
+
+
+@pytest.mark.parametrize("kernels", ["reference", "scaled_mm"])
+def test_per_expert_loop_of_linears_is_lowered_exactly(kernels):
+    """Tensorwise: each expert's linear is lowered though its token count is dynamic (wgrad's
+    contraction is padded to 16 by the provider; no scaling block runs along the tokens). Groups
+    of 100, 0, 233 and 179 tokens; outputs and gradients are the recipe's qdq by hand, per
+    expert, and the report names the unbacked sizes it assumed for FLOPs."""
+    torch.manual_seed(0)
+    model = _LoopedExperts()
+    x, grad_y = torch.randn(512, K, requires_grad=True), torch.randn(512, N)
+    choice = torch.tensor([0] * 100 + [2] * 233 + [3] * 179)[torch.randperm(512)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=graphpass.backend(codegen="eager", fp8="tensorwise",
+                                                              kernels=kernels))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        y = compiled(x, choice)  # one graph (without it, dynamo breaks it at nonzero)
+    y.backward(grad_y)
+    notes = graphpass.last_report().notes
+    assert [n for n in notes if "lowered" in n] == [
+        f"lowered: experts.{e} ({kernels}/tensorwise)" for e in range(E)]
+    assert any(n.startswith("sizes: unbacked u0 assumed 4096 in the FLOPs of") for n in notes)
+
+    q = lambda t, role: recipes.qdq(t, "tensorwise", role).float()  # noqa: E731
+    ref_y, ref_dx = torch.zeros(512, N), torch.zeros(512, K)
+    for e, expert in enumerate(model.experts):
+        idx = (choice == e).nonzero().squeeze(-1)
+        xe, ge, we = x.detach()[idx], grad_y[idx], expert.weight.detach()
+        ref_y[idx] = q(xe, "input") @ q(we, "weight").t()
+        ref_dx[idx] = q(ge, "grad") @ q(we, "weight")
+        ref_dw = q(ge, "grad").t() @ q(xe, "input")
+        if kernels == "reference":
+            assert torch.equal(expert.weight.grad, ref_dw)
+        else:  # _scaled_mm's CPU emulation accumulates in its own order
+            torch.testing.assert_close(expert.weight.grad, ref_dw, rtol=1e-5, atol=1e-5)
+    check = torch.equal if kernels == "reference" else (
+        lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5) or True)
+    assert check(y.detach(), ref_y) and check(x.grad, ref_dx)

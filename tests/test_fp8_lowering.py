@@ -127,6 +127,37 @@ def test_reasons_for_not_lowering():
     ]
 
 
+def test_tokens_need_no_alignment_under_tensorwise_only():
+    """M (the tokens) is the wgrad's contraction: block recipes scale it in blocks, so it must be
+    a static multiple of their block; tensorwise has no block there and the providers pad the
+    contraction to 16, so any M, a dynamic one included, is lowered, with the gradients of the
+    same batch compiled static."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    x = torch.randn(40, 32, requires_grad=True)
+    for recipe, block in (("blockwise", 128), ("mxfp8", 32)):
+        notes = _lowering(graphpass.plan(nn.Linear(128, 128), torch.randn(40, 128),
+                                         config=graphpass.Config(fp8=recipe)).notes)
+        assert notes == [f"not lowered: <root>: M=40 not a multiple of {block}"]
+
+    def grads(batch, dynamic):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=graphpass.backend(
+            codegen="eager", fp8="tensorwise", kernels="reference"), dynamic=dynamic)
+        xb = x.detach()[:batch].clone().requires_grad_()
+        compiled(xb).square().sum().backward()
+        out = [xb.grad] + [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        return out, graphpass.last_report()
+
+    for batch in (37, 5):
+        (dyn, report), (static, _) = grads(batch, True), grads(batch, False)
+        assert _lowering(report.notes) == ["lowered: 0 (reference/tensorwise)",
+                                           "lowered: 2 (reference/tensorwise)"]
+        assert any(r.kind == "symint" for r in report.rows)  # M was dynamic
+        assert all(torch.equal(a, b) for a, b in zip(dyn, static))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("role", ["input", "weight", "grad"])
 def test_eager_tensorwise_pair_is_bit_identical_to_two_quantizes(dtype, role):

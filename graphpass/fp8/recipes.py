@@ -269,6 +269,13 @@ def _f32(value: float) -> float:
 _MAX_NORM_RCP = {dtype: _f32(1.0 / fp8_max(dtype)) for dtype in (E4M3, E5M2)}
 
 
+def _maybe_nonempty(x: torch.Tensor) -> bool:
+    """False for an empty ``x``; True for a non-empty one, or one of unknown (unbacked) size."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_true
+
+    return guard_or_true(x.numel() != 0)
+
+
 def _abs_amax(x: torch.Tensor, dim: tuple[int, ...]) -> torch.Tensor:
     a = x.abs()
     return torch.where(torch.isnan(a), 0.0, a).amax(dim=dim)  # NaN-ignoring, like fmaxf
@@ -355,9 +362,11 @@ def quantize(
     if amax is not None and block is not None:
         raise ValueError(f"a given amax scales one whole tensor: tensorwise only, not {recipe.name}")
     if block is None:
-        # amax() rejects empty tensors; TE's amax kernel starts from 0.
+        # amax() rejects empty tensors; TE's amax kernel starts from 0. Traced with a dynamic
+        # size (an expert's tokens: nonzero's unbacked count), the traced graph takes amax()'s
+        # branch: the same shapes, and the op decides again on real sizes when it runs.
         if amax is None:
-            amax = _abs_amax(x32, (0, 1)) if x32.numel() else x32.new_zeros(())
+            amax = _abs_amax(x32, (0, 1)) if _maybe_nonempty(x32) else x32.new_zeros(())
         scale = tensorwise_scale(amax, recipe, role)
         return scaled_cast(x32, scale, recipe, role).contiguous(), torch.reciprocal(scale)
 

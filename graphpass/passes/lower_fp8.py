@@ -85,12 +85,18 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     *_, m, k = x.shape
     n = w.shape[-1] if lin.stored_kn else w.shape[-2]
     multiple = recipes.requires_divisibility(config.fp8)
-    # wgrad contracts over M (tokens), so M needs the same alignment as K and N; token groups
-    # (offsets) are quantized per group, padded where a block would span two (fp8/ops.py).
+    # wgrad contracts over M (tokens). Block recipes scale the wgrad's operands in blocks along M,
+    # so M needs their alignment; token groups (offsets) are quantized per group, padded where a
+    # block would span two (fp8/ops.py). Tensorwise has no block along M, and every provider
+    # zero-pads a contraction to 16 (exact): M may be any size, even dynamic (the tokens a
+    # per-expert loop routes to one expert: nonzero's unbacked size).
+    free_m = lin.offs is not None or recipes.block_shape(config.fp8, "input") is None
     for dim, size in (("K", k), ("N", n), ("M", m)):
+        if dim == "M" and free_m:
+            continue
         if not isinstance(size, int):
             return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
-        if size % multiple and not (dim == "M" and lin.offs is not None):
+        if size % multiple:
             return f"{dim}={size} not a multiple of {multiple}"
     # torch's formula: 2*M*N*K, per group for experts; over token groups 2*T*N*K
     flops = 2 * m * n * k if lin.offs is not None else node_flops(lin.fprop)
