@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .. import _compat
 from . import recipes
+from .cublaslt import own_scalar, pad_contraction, pad_last
 
 NAMES = ("te", "scaled_mm", "reference")
 
@@ -66,17 +67,11 @@ class ScaledMM:
     def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias):
         # cuBLASLt on Hopper is TN-only: mat2 must be column-major, which b.t() of a row-major
         # (N, K) tensor is. Bias must be bf16/fp16 and is refused with an fp32 output, so add it
-        # afterwards in those cases.
-        # cuBLASLt also wants the contraction dimension a multiple of 16 (a wgrad over a token
-        # group of 100 rows has K = 100): zero columns on both operands add nothing, so padding
-        # is exact. And it refuses (CUBLAS_STATUS_NOT_SUPPORTED) a scale that is not at the
-        # start of its allocation, which one group's scale, a view into the per-group vector, is.
+        # afterwards in those cases. Its operand rules: fp8/cublaslt.py.
         fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
-        pad = -a.shape[-1] % 16
-        if pad:
-            a, b = (_pad_last(t, pad) for t in (a, b))
+        a, b = pad_contraction(a, b)
         out = _compat.scaled_mm(
-            a, b.t(), scale_a=_own_scalar(a_scale_inv), scale_b=_own_scalar(b_scale_inv),
+            a, b.t(), scale_a=own_scalar(a_scale_inv), scale_b=own_scalar(b_scale_inv),
             bias=bias if fused_bias else None, out_dtype=out_dtype,
         )
         if bias is not None and not fused_bias:
@@ -111,17 +106,6 @@ def _grouped_kernel_runs(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
     refuses tensorwise's E5M2 gradients)."""
     return (a.device.type == "cuda" and bias is None and a.dtype == b.dtype == recipes.E4M3
             and _compat.has_scaled_grouped_mm())
-
-
-def _pad_last(t: Tensor, pad: int) -> Tensor:
-    """``t`` with ``pad`` zero columns appended (FP8 zeros are zero bytes; pad has no FP8 kernel)."""
-    return torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
-
-
-def _own_scalar(scale: Tensor) -> Tensor:
-    """A one-element fp32 scale in an allocation of its own."""
-    s = scale.reshape(()).float()
-    return s.clone() if s.storage_offset() else s
 
 
 def _scaled_batched_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
@@ -229,7 +213,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, o
                 sa, sb = (s[:, col:col + blocks] for s in (a_scale_inv, b_scale_inv))
                 col += blocks
                 if n % block:
-                    ag, bg = (_pad_last(t, -n % block) for t in (ag, bg))
+                    ag, bg = (pad_last(t, -n % block) for t in (ag, bg))
             else:
                 sa, sb = a_scale_inv[g], b_scale_inv[g]
             jobs.append(Job(ag.contiguous(), sa, bg.contiguous(), sb, out[g]))

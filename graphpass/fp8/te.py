@@ -16,12 +16,15 @@ expect padded, GEMM-swizzled scale layouts that differ between TE releases.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
-from .providers import Job, _own_scalar, _pad_last
+from .cublaslt import own_scalar, pad_contraction
+
+if TYPE_CHECKING:
+    from .providers import Job
 
 # The TE entry points graphpass calls, with the keyword arguments it passes; the TE test checks
 # them against the installed TE's real signatures.
@@ -65,13 +68,10 @@ class TransformerEngine:
                              quantizer=None)
 
     def _operands(self, a, a_scale_inv, b, b_scale_inv):
-        """TE's ``(A, B)`` for ``a @ b.T``: ``(b, a)`` wrapped. cuBLASLt's FP8 rules hold here as
-        for ``torch._scaled_mm`` (providers.ScaledMM.gemm): the contraction dimension zero-padded
-        to a multiple of 16 (exact), each scale in an allocation of its own."""
-        pad = -a.shape[-1] % 16
-        if pad:
-            a, b = (_pad_last(t, pad) for t in (a, b))
-        return (self._wrap(b, _own_scalar(b_scale_inv)), self._wrap(a, _own_scalar(a_scale_inv)))
+        """TE's ``(A, B)`` for ``a @ b.T``: ``(b, a)`` wrapped, under cuBLASLt's operand rules
+        (fp8/cublaslt.py) as for ``torch._scaled_mm``."""
+        a, b = pad_contraction(a, b)
+        return (self._wrap(b, own_scalar(b_scale_inv)), self._wrap(a, own_scalar(a_scale_inv)))
 
     def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
              bias: Optional[Tensor]):
