@@ -127,7 +127,7 @@ def print_cache_table(per_seed: list[dict[str, float]], seeds: list[int]) -> Non
     """The loss table over seeds, the noise floors and the PASS/FAIL lines on the gap of the
     mean loss."""
     n = len(per_seed)
-    runs = list(per_seed[0])
+    runs = [k for k in per_seed[0] if all(k in ls for ls in per_seed)]  # merged runs: the common ones
     mean = {k: statistics.mean(ls[k] for ls in per_seed) for k in runs}
     gap = {k: abs(mean[k] / mean["exact fp8"] - 1) for k in runs}
     signed = {k: [ls[k] / ls["exact fp8"] - 1 for ls in per_seed] for k in runs}
