@@ -95,12 +95,15 @@ def gradient_errors(data, *, levels=LEVELS, codegen: str = "eager", seed: int = 
 
 
 def cache_losses(data, *, levels=LEVELS, codegen: str = "eager", seed: int = 0,
-                 model_name: str = "llama", references: bool = True) -> dict[str, float]:
+                 model_name: str = "llama", references: bool = True,
+                 bf16: bool = True) -> dict[str, float]:
     runs = {"bf16": dict(), "exact fp8": dict(fp8="tensorwise"),
             **{f"fp8_cache={lv}": dict(fp8="tensorwise", fp8_cache=lv) for lv in levels},
             "torch's activation quantization": dict(fp8="tensorwise", torch_aq=True)}
     if not references:  # the exact FP8 run and the levels only
         del runs["bf16"], runs["torch's activation quantization"]
+    elif not bf16:
+        del runs["bf16"]
     out = {}
     for name, options in runs.items():
         out[name] = final_loss(data, codegen=codegen, seed=seed, model_name=model_name, **options)
@@ -161,6 +164,7 @@ def main() -> None:
                    help="with --cache: the levels to train")
     p.add_argument("--no-references", action="store_true",
                    help="with --cache: skip the bf16 run and torch's pass (no PASS/FAIL lines)")
+    p.add_argument("--no-bf16", action="store_true", help="with --cache: skip the bf16 run")
     p.add_argument("--model", default="llama", choices=list(MODELS),
                    help="the tiny example to train")
     p.add_argument("--seeds", type=int, default=1,
@@ -193,7 +197,8 @@ def main() -> None:
             seed_data = train.batches(vocab=256, batch=2, seq=seq, steps=args.steps, seed=seed)
             per_seed.append(cache_losses(seed_data, levels=args.levels, codegen=args.codegen,
                                          seed=seed, model_name=args.model,
-                                         references=not args.no_references))
+                                         references=not args.no_references,
+                                         bf16=not args.no_bf16))
             if args.save:  # after each seed: a run cut short keeps what it measured
                 Path(args.save).write_text(json.dumps({"seeds": seeds[:len(per_seed)],
                                                        "losses": per_seed}))
