@@ -90,13 +90,13 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     # block would span two (fp8/ops.py). Tensorwise has no block along M, and every provider
     # zero-pads a contraction to 16 (exact): M may be any size, even dynamic (the tokens a
     # per-expert loop routes to one expert: nonzero's unbacked size).
-    free_m = lin.offs is not None or recipes.block_shape(config.fp8, "input") is None
+    tensorwise = recipes.block_shape(config.fp8, "input") is None
     for dim, size in (("K", k), ("N", n), ("M", m)):
-        if dim == "M" and free_m:
+        if dim == "M" and tensorwise:
             continue
         if not isinstance(size, int):
             return f"{dim}={size} is dynamic; FP8 GEMMs need static multiples of {multiple}"
-        if size % multiple:
+        if size % multiple and not (dim == "M" and lin.offs is not None):
             return f"{dim}={size} not a multiple of {multiple}"
     # torch's formula: 2*M*N*K, per group for experts; over token groups 2*T*N*K
     flops = 2 * m * n * k if lin.offs is not None else node_flops(lin.fprop)
