@@ -116,10 +116,15 @@ def _scaled_batched_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_i
     bit-identical (fp32 accumulation in another order; an H100 with torch 2.11 differed in the
     last bf16 bit at (4, 128, 128, 256)); the loop was 256 GEMM launches and a stack per
     DeepSeek-V3 layer: its FP8 step went from 210.7 to 162.5 ms."""
-    groups, m, n = a.shape[0], a.shape[1], b.shape[1]
-    scale_a = a_scale_inv.float().reshape(groups, 1).expand(groups, m).contiguous()
-    scale_b = b_scale_inv.float().reshape(groups, 1).expand(groups, n).contiguous()
-    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, scale_b, out_dtype=out_dtype)
+    m, n = a.shape[1], b.shape[1]
+    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), _per_group(a_scale_inv, m),
+                                    _per_group(b_scale_inv, n), out_dtype=out_dtype)
+
+
+def _per_group(scale_inv: Tensor, size: int) -> Tensor:
+    """One fp32 scale per group (G scales) given to each of its ``size`` rows or columns: (G, size),
+    the layout ``torch._scaled_grouped_mm`` reads its per-row and per-column scales in."""
+    return scale_inv.float().reshape(-1, 1).expand(-1, size).contiguous()
 
 
 class Job(NamedTuple):
@@ -177,7 +182,7 @@ def scaled_grouped_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_in
     rows = torch.arange(t, device=a.device, dtype=offs.dtype)
     group = torch.searchsorted(offs, rows, right=True)
     scale_a = a_scale_inv.float()[group.clamp(max=groups - 1)].contiguous()
-    scale_b = b_scale_inv.float().reshape(groups, 1).expand(groups, n).contiguous()
+    scale_b = _per_group(b_scale_inv, n)
     out = _compat.scaled_grouped_mm(a, b.transpose(-2, -1), scale_a=scale_a, scale_b=scale_b,
                                     offs=offs, out_dtype=out_dtype)
     return torch.where((group < groups)[:, None], out, out.new_zeros(()))
