@@ -4,7 +4,8 @@
     python benchmarks/fp8_training.py --cache      # the FP8 activation cache's levels (issue 12)
     python benchmarks/fp8_training.py --cache --seeds 5   # over seeds 0..4 (model init and data)
     python benchmarks/fp8_training.py --cache --model deepseek   # the tiny DeepSeek (MLA + MoE)
-    python benchmarks/fp8_training.py --cache --grad-errors   # one step's gradient error per run
+    python benchmarks/fp8_training.py --cache --grad-errors   # one step's gradient error per weight
+    python benchmarks/fp8_training.py --cache --grad-errors --levels all --cache-format e4m3_tensor
 
 The same task and model as tests/test_fp8_training.py (which asserts each recipe within 3% of
 bf16); this prints the numbers. ``--cache`` trains, on the same data, the exact FP8 run
@@ -18,7 +19,9 @@ after 200 steps), two standard errors of the paired per-seed gaps beside it, and
 per-seed |gap| (how far two runs' trajectories drift apart on one seed: bf16 vs exact FP8 drift
 as far as any cache level does, so this is noise, not cost). ``--save F`` writes the per-seed
 losses as JSON; ``--merge F...`` prints the table of saved runs together (seeds run in parallel
-processes).
+processes). ``--grad-errors`` prints, per weight, one step's gradient error of each run against
+the exact FP8 run, with torch's pass also run on bf16 tensors only (attention's fp32
+log-sum-exp exact): the two columns say what casting the log-sum-exp costs.
 
 On the CPU every run computes its bf16 GEMMs (bf16's, and the excluded output head's) as fp32
 GEMMs rounded once to bf16 (``train.bf16_gemms_in_fp32``: what a GPU's bf16 GEMM computes; this
@@ -31,6 +34,7 @@ import argparse
 import json
 import statistics
 import sys
+import typing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import graphpass  # noqa: E402
+from graphpass.config import FP8CacheFormat  # noqa: E402
 # torch's activation quantization as issue 12 compares it (all sizes, e5m2, scaled) and the cache
 # levels: the same as the byte benchmark's
 from benchmarks.memory import CACHE_LEVELS as LEVELS  # noqa: E402
@@ -47,17 +52,22 @@ from examples import deepseek, llama, train  # noqa: E402
 # --model: the example and its sequence length (the tiny DeepSeek's experts need 128 tokens per
 # expert slot block, as in tests/test_fp8_training.py)
 MODELS = {"llama": (llama, 64), "deepseek": (deepseek, 128)}
+# torch's pass on bf16 tensors only: attention's fp32 log-sum-exp (and a norm's rstd) stay exact.
+# Beside TORCH_AQ in --grad-errors, it shows what casting the log-sum-exp costs.
+TORCH_AQ_BF16 = dict(TORCH_AQ, allowed_dtypes="torch.bfloat16")
 
 
-def _train(data, *, torch_aq: bool, codegen: str, seed: int, model_name: str, lr: float = 3e-3,
-           **options) -> tuple[torch.nn.Module, list[float]]:
+def _train(data, *, torch_aq: bool | dict, codegen: str, seed: int, model_name: str,
+           lr: float = 3e-3, **options) -> tuple[torch.nn.Module, list[float]]:
     """The tiny Llama (or ``model_name``; weights from ``seed``) trained on ``data`` under
-    ``options`` (and torch's activation quantization, ``torch_aq``): the model and its losses."""
+    ``options`` (and torch's activation quantization, ``torch_aq``: True for ``TORCH_AQ``, or its
+    options): the model and its losses."""
     torch._dynamo.reset()
     example, seq = MODELS[model_name]
     model, _ = example.build("tiny_lm", seq=seq, layers=1, seed=seed)
     compiled = torch.compile(model, backend=graphpass.backend(codegen=codegen, **options))
-    patch = {"activation_quantization_aten_pass": TORCH_AQ} if torch_aq else {}
+    aq = TORCH_AQ if torch_aq is True else torch_aq
+    patch = {"activation_quantization_aten_pass": aq} if aq else {}
     with torch._inductor.config.patch(post_grad_fusion_options=patch), train.bf16_gemms_in_fp32():
         return model, train.train(model, compiled, data, lr=lr)
 
@@ -71,16 +81,24 @@ def final_loss(data, *, torch_aq: bool = False, codegen: str = "eager", seed: in
     return statistics.mean(losses[-20:])
 
 
-def gradient_errors(data, *, levels=LEVELS, codegen: str = "eager", seed: int = 0,
-                    model_name: str = "llama") -> dict[str, tuple[float, float]]:
-    """One step's weight gradients (the first batch of ``data``) of bf16, each cache level and
-    torch's pass, against the exact FP8 run's: each run's smallest and largest relative error
-    (L2 norm) over the weights."""
-    runs = {"bf16": dict(), **{f"fp8_cache={lv}": dict(fp8="tensorwise", fp8_cache=lv)
-                               for lv in levels},
-            "torch's activation quantization": dict(fp8="tensorwise", torch_aq=True)}
+def _level_runs(levels, fmt: str | None) -> dict[str, dict]:
+    """The exact FP8 run's options with each cache level (in format ``fmt``; None: the default),
+    by run name."""
+    suffix, extra = (f", {fmt}", dict(fp8_cache_format=fmt)) if fmt else ("", {})
+    return {f"fp8_cache={lv}{suffix}": dict(fp8="tensorwise", fp8_cache=lv, **extra)
+            for lv in levels}
 
-    def grads(torch_aq: bool = False, **options) -> dict[str, torch.Tensor]:
+
+def gradient_errors(data, *, levels=LEVELS, fmt: str | None = None, codegen: str = "eager",
+                    seed: int = 0, model_name: str = "llama") -> dict[str, dict[str, float]]:
+    """One step's weight gradients (the first batch of ``data``) of bf16, each cache level,
+    torch's pass and torch's pass on bf16 tensors only (``TORCH_AQ_BF16``: the fp32 log-sum-exp
+    stays exact), against the exact FP8 run's: per run, each weight's relative error (L2 norm)."""
+    runs = {"bf16": dict(), **_level_runs(levels, fmt),
+            "torch's activation quantization": dict(fp8="tensorwise", torch_aq=True),
+            "torch's pass, log-sum-exp exact": dict(fp8="tensorwise", torch_aq=TORCH_AQ_BF16)}
+
+    def grads(torch_aq: bool | dict = False, **options) -> dict[str, torch.Tensor]:
         model, _ = _train(data[:1], torch_aq=torch_aq, codegen=codegen, seed=seed,
                           model_name=model_name, lr=0.0, **options)
         return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
@@ -89,16 +107,28 @@ def gradient_errors(data, *, levels=LEVELS, codegen: str = "eager", seed: int = 
     out = {}
     for name, options in runs.items():
         got = grads(**options)
-        errors = [((got[n] - g).norm() / g.norm()).item() for n, g in exact.items() if g.norm() > 0]
-        out[name] = (min(errors), max(errors))
+        out[name] = {n: ((got[n] - g).norm() / g.norm()).item() for n, g in exact.items()
+                     if g.norm() > 0}
     return out
 
 
-def cache_losses(data, *, levels=LEVELS, codegen: str = "eager", seed: int = 0,
-                 model_name: str = "llama", references: bool = True,
+def print_gradient_errors(errors: dict[str, dict[str, float]]) -> None:
+    """The per-weight table of ``gradient_errors``: a row per weight, a column per run, and each
+    run's smallest and largest error."""
+    runs = list(errors)
+    print("one step's weight-gradient error (relative L2) against the exact FP8 run\n")
+    print("| weight | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs))
+    for weight in errors[runs[0]]:
+        print(f"| {weight} | " + " | ".join(f"{errors[r][weight]:.2%}" for r in runs) + " |")
+    for name, pick in (("smallest", min), ("largest", max)):
+        print(f"| **{name}** | " + " | ".join(f"{pick(errors[r].values()):.2%}" for r in runs) + " |")
+
+
+def cache_losses(data, *, levels=LEVELS, fmt: str | None = None, codegen: str = "eager",
+                 seed: int = 0, model_name: str = "llama", references: bool = True,
                  bf16: bool = True) -> dict[str, float]:
     runs = {"bf16": dict(), "exact fp8": dict(fp8="tensorwise"),
-            **{f"fp8_cache={lv}": dict(fp8="tensorwise", fp8_cache=lv) for lv in levels},
+            **_level_runs(levels, fmt),
             "torch's activation quantization": dict(fp8="tensorwise", torch_aq=True)}
     if not references:  # the exact FP8 run and the levels only
         del runs["bf16"], runs["torch's activation quantization"]
@@ -162,6 +192,9 @@ def main() -> None:
     p.add_argument("--cache", action="store_true", help="the FP8 activation cache's levels")
     p.add_argument("--levels", nargs="+", default=list(LEVELS), choices=LEVELS,
                    help="with --cache: the levels to train")
+    p.add_argument("--cache-format", choices=list(typing.get_args(FP8CacheFormat)),
+                   help="with --cache: the levels' fp8_cache_format (default: graphpass's "
+                        "default); the run names then carry it")
     p.add_argument("--no-references", action="store_true",
                    help="with --cache: skip the bf16 run and torch's pass (no PASS/FAIL lines)")
     p.add_argument("--no-bf16", action="store_true", help="with --cache: skip the bf16 run")
@@ -179,12 +212,10 @@ def main() -> None:
     args = p.parse_args()
     seq = MODELS[args.model][1]
     if args.cache and args.grad_errors:
-        errors = gradient_errors(train.batches(vocab=256, batch=2, seq=seq, steps=1),
-                                 levels=args.levels, codegen=args.codegen, model_name=args.model)
-        print("| run | one step's weight-gradient error vs exact FP8: smallest | largest |\n"
-              "|---|---|---|")
-        for name, (low, high) in errors.items():
-            print(f"| {name} | {low:.2%} | {high:.2%} |")
+        print_gradient_errors(gradient_errors(
+            train.batches(vocab=256, batch=2, seq=seq, steps=1), levels=args.levels,
+            fmt=args.cache_format,
+            codegen=args.codegen, model_name=args.model))
         return
     if args.merge:
         saved = [json.loads(Path(f).read_text()) for f in args.merge]
@@ -195,7 +226,8 @@ def main() -> None:
         per_seed, seeds = [], list(range(args.first_seed, args.first_seed + args.seeds))
         for seed in seeds:
             seed_data = train.batches(vocab=256, batch=2, seq=seq, steps=args.steps, seed=seed)
-            per_seed.append(cache_losses(seed_data, levels=args.levels, codegen=args.codegen,
+            per_seed.append(cache_losses(seed_data, levels=args.levels, fmt=args.cache_format,
+                                         codegen=args.codegen,
                                          seed=seed, model_name=args.model,
                                          references=not args.no_references,
                                          bf16=not args.no_bf16))

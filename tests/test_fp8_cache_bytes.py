@@ -11,9 +11,10 @@ from benchmarks import memory
 from examples import llama
 
 
-def _plans():
+def _plans(fmt="e4m3_1x128_pow2"):
     model, inputs = llama.build("tiny", layers=1)
-    ours = graphpass.plan(model, *inputs, config=graphpass.Config(fp8="tensorwise", fp8_cache="all"))
+    ours = graphpass.plan(model, *inputs, config=graphpass.Config(
+        fp8="tensorwise", fp8_cache="all", fp8_cache_format=fmt))
     model, inputs = llama.build("tiny", layers=1)
     with torch._inductor.config.patch(
             post_grad_fusion_options={"activation_quantization_aten_pass": memory.TORCH_AQ}):
@@ -34,3 +35,17 @@ def test_byte_comparison_counts_every_saved_byte_once():
     reason = memory.byte_reason(rows)
     counted = sum(int(n.replace(",", "")) for n in re.findall(r"([+-][\d,]+) B", reason))
     assert counted == ours.activation_bytes - theirs.activation_bytes, reason
+
+
+def test_per_tensor_format_stores_one_fp32_scale_per_cached_tensor():
+    """``all`` in ``e4m3_tensor`` (the benchmark's info line against torch's pass): every cached
+    tensor's scales are one fp32, so the scales part of the difference is 4 B per cached tensor
+    minus torch's per-row scales, and the counted parts still add up."""
+    ours, theirs = _plans("e4m3_tensor")
+    rows = memory.byte_comparison(ours, theirs)
+    cached = [a for _, a, _ in rows if a["data"]]
+    assert len(cached) == 7 and all(a["scale"] == 4 for a in cached)  # by hand: table in docs
+    kept, scales, data = memory.byte_parts(rows)
+    assert scales == 4 * 7 - sum(b["scale"] for _, a, b in rows if not a["exact"]) and data == 0
+    assert {name for name, _ in kept} == {"permute_5", "add_4", "getitem_5"}  # k, v < 64 KiB; LSE
+    assert sum(d for _, d in kept) + scales + data == ours.activation_bytes - theirs.activation_bytes
