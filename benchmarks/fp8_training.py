@@ -34,8 +34,7 @@ import argparse
 import json
 import statistics
 import sys
-import typing
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -261,7 +260,7 @@ def main() -> None:
     p.add_argument("--cache", action="store_true", help="the FP8 activation cache's levels")
     p.add_argument("--levels", nargs="+", default=list(LEVELS), choices=LEVELS,
                    help="with --cache: the levels to train")
-    p.add_argument("--cache-format", choices=list(typing.get_args(FP8CacheFormat)),
+    p.add_argument("--cache-format", choices=list(get_args(FP8CacheFormat)),
                    help="with --cache: the levels' fp8_cache_format (default: graphpass's "
                         "default); the run names then carry it")
     p.add_argument("--no-references", action="store_true",
@@ -286,8 +285,7 @@ def main() -> None:
     if args.cache and args.grad_errors:
         print_gradient_errors(gradient_errors(
             train.batches(vocab=256, batch=2, seq=seq, steps=1), levels=args.levels,
-            fmt=args.cache_format,
-            codegen=args.codegen, model_name=args.model))
+            fmt=args.cache_format, codegen=args.codegen, model_name=args.model))
         return
     if args.merge:
         seeds, per_seed = merge_by_seed([json.loads(Path(f).read_text()) for f in args.merge])

@@ -36,6 +36,12 @@ def test_byte_comparison_counts_every_saved_byte_once():
     counted = sum(int(n.replace(",", "")) for n in re.findall(r"([+-][\d,]+) B", reason))
     assert counted == ours.activation_bytes - theirs.activation_bytes, reason
 
+    # the FAIL line's bound over every choice of cached tensors, by hand: the scales (-2,172 B)
+    # plus, per tensor kept exact, the cheaper of exact and cached in 1x128 (numel + numel/128
+    # against torch's data and scales): k and v 8,192 + 64 - 8,704 = -448 each (cheaper than
+    # +24,064 exact), the log-sum-exp 256 + 2 - 288 = -30 (cheaper than +736)
+    assert memory.least_difference_1x128(rows) == -2172 - 448 - 448 - 30
+
 
 def test_per_tensor_format_stores_one_fp32_scale_per_cached_tensor():
     """``all`` in ``e4m3_tensor`` (the benchmark's info line against torch's pass): every cached
