@@ -128,12 +128,16 @@ def print_gradient_errors(errors: dict[str, dict[str, float]]) -> None:
 
 def cache_losses(data, *, levels=LEVELS, fmt: str | None = None, codegen: str = "eager",
                  seed: int = 0, model_name: str = "llama", references: bool = True,
-                 bf16: bool = True, torch_lse_exact: bool = False) -> dict[str, float]:
+                 bf16: bool = True, torch_lse_exact: bool = False,
+                 torch_min_kib: int | None = None) -> dict[str, float]:
     runs = {"bf16": dict(), "exact fp8": dict(fp8="tensorwise"),
             **_level_runs(levels, fmt),
             TORCH: dict(fp8="tensorwise", torch_aq=True)}
     if torch_lse_exact:
         runs[TORCH_LSE_EXACT] = dict(fp8="tensorwise", torch_aq=TORCH_AQ_BF16)
+    if torch_min_kib is not None:  # torch's pass leaving small tensors exact, as fp8_cache_min_bytes
+        runs[f"torch's pass, tensors >= {torch_min_kib} KiB"] = dict(
+            fp8="tensorwise", torch_aq=dict(TORCH_AQ, size_in_mb=torch_min_kib / 1024))
     if not references:  # the exact FP8 run and the levels only
         del runs["bf16"], runs[TORCH]
     elif not bf16:
@@ -269,6 +273,9 @@ def main() -> None:
     p.add_argument("--torch-lse-exact", action="store_true",
                    help="with --cache: also train torch's pass on bf16 tensors only (attention's "
                         "fp32 log-sum-exp exact)")
+    p.add_argument("--torch-min-kib", type=int, metavar="KIB",
+                   help="with --cache: also train torch's pass on tensors of at least KIB KiB "
+                        "only (its size_in_mb; graphpass's fp8_cache_min_bytes is 64 KiB)")
     p.add_argument("--model", default="llama", choices=list(MODELS),
                    help="the tiny example to train")
     p.add_argument("--seeds", type=int, default=1,
@@ -300,7 +307,8 @@ def main() -> None:
                                          seed=seed, model_name=args.model,
                                          references=not args.no_references,
                                          bf16=not args.no_bf16,
-                                         torch_lse_exact=args.torch_lse_exact))
+                                         torch_lse_exact=args.torch_lse_exact,
+                                         torch_min_kib=args.torch_min_kib))
             if args.save:  # after each seed: a run cut short keeps what it measured
                 Path(args.save).write_text(json.dumps({
                     "model": args.model, "steps": args.steps, "seeds": seeds[:len(per_seed)],
