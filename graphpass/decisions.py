@@ -28,7 +28,6 @@ class What(enum.Enum):
     NOT_LOWERED = "not lowered: {module}: {why}"
     KERNELS = "kernels: {why}"
     FUSE_QUANTIZE_OFF = "fuse_quantize: off: {why}"
-    FUSE_QUANTIZE_PARTLY = "fuse_quantize: {why}"
     FP8_COPY = "fp8 copy ({why})"
     FP8_DISTRIBUTED = "fp8 under {why}"
     FP8_ALL_GATHER = "fp8 all-gather: {module}: {why}"
