@@ -543,9 +543,11 @@ def register_backend(name: str, compiler_fn: Callable[..., Any]) -> None:
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+              bias: torch.Tensor | None, out_dtype: torch.dtype,
+              use_fast_accum: bool = False) -> torch.Tensor:
     """torch's FP8 GEMM (``torch._scaled_mm``), tensorwise scales."""
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
 
 
 def has_scaled_grouped_mm() -> bool:
@@ -558,10 +560,11 @@ def has_scaled_grouped_mm() -> bool:
 
 def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor,
                       scale_b: torch.Tensor, offs: torch.Tensor,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+                      out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
     """torch's grouped FP8 GEMM (``torch._scaled_grouped_mm``): a (T, K) row-major, b (G, K, N)
     column-major, scale_a (T,), scale_b (G, N), token groups ending at ``offs``."""
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype,
+                                    use_fast_accum=use_fast_accum)
 
 
 def in_user_checkpoint(node: fx.Node) -> bool:

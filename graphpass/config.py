@@ -23,6 +23,9 @@ FP8Cache = Literal[None, "act_input", "attn", "layer_input", "all"]
 # How: E4M3 with one fp32 scale per 1x128 block (``_pow2``: scales rounded down to powers of
 # two, as DeepSeek-V3), or one scale per tensor in E4M3 or E5M2 (torch's own pass's format).
 FP8CacheFormat = Literal["e4m3_1x128_pow2", "e4m3_1x128", "e4m3_tensor", "e5m2_tensor"]
+# How FP8 GEMMs accumulate: Transformer Engine's and torchao's split (fast forward, precise
+# gradients), or one mode for every GEMM.
+FP8Accumulate = Literal["te", "fast", "precise"]
 
 @dataclass(frozen=True)
 class Config:
@@ -60,6 +63,13 @@ class Config:
     backward), with the amax reduced (max) over the group, and all-gather the FP8 bytes, as
     Transformer Engine does: half the bytes of a bf16 all-gather, the same FP8 bits. ``False``
     all-gathers the high-precision tensor and quantizes it after."""
+
+    fp8_accumulate: FP8Accumulate = "te"
+    """How the FP8 GEMMs accumulate: ``"te"`` (fast accumulation for the forward GEMM, split,
+    i.e. precise, accumulation for dgrad and wgrad, as Transformer Engine's recipes and torchao's
+    float8 set it), ``"fast"`` or ``"precise"`` for every GEMM. ``torch._scaled_mm``'s
+    ``use_fast_accum`` and TE's ``use_split_accumulator``; the reference provider accumulates in
+    fp32 whatever the mode (it models the precise one)."""
 
     fp8_min_gemm_flops: int = 0
     """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
@@ -255,6 +265,7 @@ def _combinations(config: Config) -> None:
         ("offload_exclude", config.offload, "offload=True"),
         ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("fp8_accumulate", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
         ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),

@@ -487,11 +487,12 @@ def test_scaled_mm_calls_follow_cublaslt_rules(monkeypatch):
 
     calls, real = [], _compat.scaled_mm
 
-    def checked(a, b, *, scale_a, scale_b, bias, out_dtype):
+    def checked(a, b, *, scale_a, scale_b, bias, out_dtype, use_fast_accum):
         calls.append(a.shape)
         assert a.shape[-1] % 16 == 0 and b.shape[0] % 16 == 0, (a.shape, b.shape)
         assert scale_a.storage_offset() == 0 and scale_b.storage_offset() == 0
-        return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                    use_fast_accum=use_fast_accum)
 
     monkeypatch.setattr(_compat, "scaled_mm", checked)
     _compiled_token_groups("tensorwise", "scaled_mm", "cpu")  # ragged: groups of 100, 233, 167
@@ -790,6 +791,40 @@ def test_te_runs_each_grouped_gemm_as_one_grouped_call(monkeypatch):
     got = _compiled_bmm_experts("te")
     assert sorted(calls) == [("grouped", E, False), ("grouped", E, True), ("grouped", E, True)]
     assert all(torch.equal(g, r) for r, g in zip(ref_bmm, got))
+
+
+@pytest.mark.parametrize("mode,split", [("te", {"forward": False, "dgrad": True, "wgrad": True}),
+                                        ("fast", dict.fromkeys(("forward", "dgrad", "wgrad"), False)),
+                                        ("precise", dict.fromkeys(("forward", "dgrad", "wgrad"), True))])
+def test_te_split_accumulator_per_gemm_role(mode, split, monkeypatch):
+    """``fp8_accumulate`` on TE's general_gemm (the CPU stand-in records its arguments): by default
+    (``"te"``) the split accumulator is off for the forward and on for dgrad and wgrad, as in TE's
+    own Float8CurrentScaling linear. The roles are read from the operands' TE dtypes and shapes:
+    the forward's are both E4M3; dgrad's B is the (M, N) gradient and A the (K, N) weight."""
+    from graphpass.fp8 import providers
+
+    calls, real_get = [], providers.get
+    te = _stand_in_te(calls)
+    plain = te._gemm
+
+    def general_gemm(A, B, **kw):
+        role = "forward" if A.fp8_dtype == B.fp8_dtype == "E4M3" else (
+            "dgrad" if A.data.shape == (K, N) else "wgrad")
+        calls.append((role, kw["use_split_accumulator"]))
+        return plain(A, B, **kw)
+
+    te._gemm = general_gemm
+    monkeypatch.setattr(providers, "te_available", lambda: True)
+    monkeypatch.setattr(providers, "get", lambda name: te if name == "te" else real_get(name))
+    torch.manual_seed(0)
+    lin = nn.Linear(K, N, bias=False)
+    x = torch.randn(64, K, requires_grad=True)
+    options = {} if mode == "te" else {"fp8_accumulate": mode}
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, backend=graphpass.backend(codegen="eager", fp8="tensorwise",
+                                                            kernels="te", **options))
+    compiled(x).sum().backward()
+    assert sorted(c for c in calls if c[0] != "gemm") == sorted(split.items())
 
 
 def _compiled_bmm_experts(kernels):

@@ -201,12 +201,24 @@ def test_delayed_scaling_is_refused_with_alternatives():
 
 
 def test_scaled_mm_matches_reference_on_cpu():
+    """_scaled_mm's CPU emulation against the reference provider, in both accumulation modes of
+    its forward GEMM: the forward within one bf16 ulp (its bias is added to the bf16-rounded
+    product in the GEMM's epilogue, the reference's to the fp32 one: one element of 4,096
+    differs here), the gradients (no bias; precise under the default) bit for bit."""
     torch.manual_seed(0)
     model = nn.Linear(128, 64).to(torch.bfloat16)
     x = torch.randn(2, 32, 128, dtype=torch.bfloat16)
-    outs = [_run(model, x, torch.compile(model, backend=graphpass.backend(
-        codegen="eager", fp8="tensorwise", kernels=k))) for k in ("reference", "scaled_mm")]
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+    def run(**options):
+        return _run(model, x, torch.compile(model, backend=graphpass.backend(
+            codegen="eager", fp8="tensorwise", **options)))
+
+    ref = run(kernels="reference")
+    for options in ({}, {"fp8_accumulate": "precise"}):
+        y, dx, grads = run(kernels="scaled_mm", **options)
+        torch.testing.assert_close(y, ref[0], rtol=2**-7, atol=0)
+        torch.testing.assert_close((dx, grads["weight"]), (ref[1], ref[2]["weight"]),
+                                   rtol=0, atol=0)
 
 
 def test_scaled_mm_refuses_block_recipes():
@@ -470,3 +482,54 @@ def test_block_recipes_stay_one_op_under_the_users_post_grad_pass():
         _, code = _inductor_step(model, inputs, fp8="blockwise")
     assert "graphpass.quantize" in code
     assert len(seen) == 2 and all(seen)
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("te", {"forward": True, "dgrad": False, "wgrad": False}),
+    ("fast", {"forward": True, "dgrad": True, "wgrad": True}),
+    ("precise", {"forward": False, "dgrad": False, "wgrad": False}),
+])
+def test_scaled_mm_accumulates_per_gemm_role(mode, expected, monkeypatch):
+    """``fp8_accumulate``: torch._scaled_mm gets ``use_fast_accum`` per GEMM role, by default
+    (``"te"``) fast for the forward and precise for dgrad and wgrad, as TE and torchao set it.
+    The roles are read from the operands: the forward multiplies two E4M3 tensors, dgrad an E5M2
+    gradient by the (K, N) weight, wgrad the (N, M) gradient by the (K, M) input."""
+    calls, real = [], _compat.scaled_mm
+
+    def record(a, b, **kw):
+        if a.dtype == recipes.E4M3:
+            role = "forward"
+        else:
+            role = "dgrad" if b.shape[0] == 128 else "wgrad"  # b: (K, N).t() or (K, M).t()
+        calls.append((role, kw["use_fast_accum"]))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(_compat, "scaled_mm", record)
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128, bias=False)  # x (64, 256): M=64, K=256, N=128
+    x = torch.randn(64, 256, requires_grad=True)
+    options = {} if mode == "te" else {"fp8_accumulate": mode}
+    compiled = torch.compile(lin, backend=graphpass.backend(
+        codegen="eager", fp8="tensorwise", kernels="scaled_mm", **options))
+    compiled(x).sum().backward()
+    assert sorted(calls) == sorted(expected.items())
+
+
+def test_fp8_accumulate_is_validated():
+    assert graphpass.Config(fp8="tensorwise", fp8_accumulate="precise").fp8_accumulate == "precise"
+    with pytest.raises(ValueError, match="fp8_accumulate='split'.*'te', 'fast', 'precise'"):
+        graphpass.Config(fp8="tensorwise", fp8_accumulate="split")
+    with pytest.raises(ValueError, match="fp8_accumulate='fast' has no effect without fp8="):
+        graphpass.Config(fp8_accumulate="fast")
+
+
+def test_reference_accumulates_in_fp32_whatever_the_mode():
+    """The reference provider models the precise accumulation: the mode does not change it."""
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 256), torch.randn(128, 256)
+    (qa, sa), (qb, sb) = recipes.quantize(a, "tensorwise", "input"), recipes.quantize(
+        b, "tensorwise", "weight")
+    ref = providers.get("reference")
+    outs = [ref.gemm(qa, sa, qb, sb, "tensorwise", "input", "weight", torch.float32, None,
+                     fast_accum=fast) for fast in (True, False)]
+    assert torch.equal(*outs)

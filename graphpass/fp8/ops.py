@@ -264,6 +264,7 @@ def fp8_gemm(
     bias: Optional[Tensor],
     kernel: str,
     offs: Optional[Tensor] = None,
+    accumulate: str = "te",
 ) -> Tensor:
     """``dequant(a) @ dequant(b).T (+ bias)``: a TN GEMM, both operands K-major. With 3-D
     operands (G, M, K) and (G, N, K), one such GEMM per group: (G, M, N).
@@ -276,17 +277,22 @@ def fp8_gemm(
     for the scale layouts): a (T, K) x b (G, N, K) gives (T, N), token group g times b[g]
     (forward, dgrad); a (M, T) x b (N, T) gives (G, M, N), group g's tokens contracted
     (wgrad). Rows past ``offs[-1]`` and empty groups' outputs are 0.
+
+    ``accumulate`` (``Config.fp8_accumulate``): ``"te"`` (fast accumulation where neither operand
+    is a gradient, i.e. the forward GEMM), ``"fast"`` or ``"precise"``.
     """
     a_role, b_role = roles.split(",")
+    fast = providers.fast_accumulation(accumulate, a_role, b_role)
     a, b = _k_major(a), _k_major(b)
     if offs is not None:
         return providers.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role,
-                                      b_role, out_dtype, bias, providers.get(kernel))
+                                      b_role, out_dtype, bias, providers.get(kernel),
+                                      fast_accum=fast)
     if a.dim() == 3:  # batched: one GEMM per group (MoE expert), same layouts
         return providers.batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
-                                      out_dtype, bias, providers.get(kernel))
+                                      out_dtype, bias, providers.get(kernel), fast_accum=fast)
     return providers.get(kernel).gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
-                                      out_dtype, bias)
+                                      out_dtype, bias, fast_accum=fast)
 
 
 def _k_major(t: Tensor) -> Tensor:
@@ -296,7 +302,8 @@ def _k_major(t: Tensor) -> Tensor:
 
 
 @fp8_gemm.register_fake
-def _(a, a_scale_inv, b, b_scale_inv, recipe, roles, out_dtype, bias, kernel, offs=None):
+def _(a, a_scale_inv, b, b_scale_inv, recipe, roles, out_dtype, bias, kernel, offs=None,
+      accumulate="te"):
     if offs is not None and b.dim() == 2:
         return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)

@@ -6,6 +6,13 @@ A provider computes ``dequant(a) @ dequant(b).T (+ bias)`` for operands quantize
 * ``reference``: pure torch on any device; dequantizes exactly and accumulates in fp32.
 * ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise scaling.
 * ``te``: Transformer Engine's ``general_gemm`` (see :mod:`graphpass.fp8.te`).
+
+Accumulation (``Config.fp8_accumulate``): each GEMM gets ``fast_accum``, True for the forward GEMM
+and False for dgrad and wgrad under the default ``"te"`` (Transformer Engine's
+``use_split_accumulator`` off for fprop, on for the gradients; torchao's float8 sets
+``use_fast_accum`` the same way). Hopper's FP8 tensor cores accumulate in fewer than fp32's bits
+unless the sum is promoted to fp32 registers every so many products (split accumulation), which
+costs throughput. ``reference`` accumulates in fp32 in every mode: it models the precise one.
 """
 
 from __future__ import annotations
@@ -26,6 +33,16 @@ from .cublaslt import own_scalar, pad_contraction, pad_last
 NAMES = ("te", "scaled_mm", "reference")
 
 
+def fast_accumulation(mode: str, a_role: str, b_role: str) -> bool:
+    """Whether a GEMM of these operand roles accumulates fast under ``Config.fp8_accumulate``
+    ``mode``: ``"te"`` for the forward GEMM only (no gradient operand)."""
+    if mode == "te":
+        return "grad" not in (a_role, b_role)
+    if mode in ("fast", "precise"):
+        return mode == "fast"
+    raise ValueError(f"unknown FP8 accumulation {mode!r}; valid values are 'te', 'fast', 'precise'")
+
+
 class Provider(Protocol):
     name: str
 
@@ -33,7 +50,8 @@ class Provider(Protocol):
         """None when this provider can run ``recipe`` on ``device``, else the reason why not."""
 
     def gemm(self, a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, recipe: str,
-             a_role: str, b_role: str, out_dtype: torch.dtype, bias: Optional[Tensor]) -> Tensor:
+             a_role: str, b_role: str, out_dtype: torch.dtype, bias: Optional[Tensor], *,
+             fast_accum: bool = False) -> Tensor:
         ...
 
 
@@ -43,7 +61,9 @@ class Reference:
     def supports(self, recipe: str, device: torch.device) -> str | None:
         return None
 
-    def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias):
+    def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias, *,
+             fast_accum=False):
+        # fp32 accumulation of exact products whatever ``fast_accum`` says: the precise mode
         a32 = recipes.dequantize(a, a_scale_inv, recipe, a_role)
         b32 = recipes.dequantize(b, b_scale_inv, recipe, b_role)
         out = a32 @ b32.t()
@@ -64,7 +84,8 @@ class ScaledMM:
             return f"torch._scaled_mm has no {device.type} kernel"
         return None
 
-    def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias):
+    def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias, *,
+             fast_accum=False):
         # cuBLASLt on Hopper is TN-only: mat2 must be column-major, which b.t() of a row-major
         # (N, K) tensor is. Bias must be bf16/fp16 and is refused with an fp32 output, so add it
         # afterwards in those cases. Its operand rules: fp8/cublaslt.py.
@@ -72,7 +93,7 @@ class ScaledMM:
         a, b = pad_contraction(a, b)
         out = _compat.scaled_mm(
             a, b.t(), scale_a=own_scalar(a_scale_inv), scale_b=own_scalar(b_scale_inv),
-            bias=bias if fused_bias else None, out_dtype=out_dtype,
+            bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=fast_accum,
         )
         if bias is not None and not fused_bias:
             out = out + bias.to(out_dtype)
@@ -80,25 +101,27 @@ class ScaledMM:
 
 
     def grouped_gemm(self, a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype,
-                     bias):
+                     bias, *, fast_accum=False):
         """Token-grouped GEMM (``fp8_gemm`` with offsets). The forward (a (T, K) x b (G, N, K),
         both E4M3) is one ``torch._scaled_grouped_mm`` on CUDA; anything else is one
         ``_scaled_mm`` per group: the grouped kernel takes E4M3 operands only (tensorwise's E5M2
         gradients), and the wgrad's groups split the contraction dimension, which it needs
         aligned to 16 tokens."""
         if b.dim() == 3 and _grouped_kernel_runs(a, b, bias):
-            return scaled_grouped_forward(a, a_scale_inv, b, b_scale_inv, offs, out_dtype)
+            return scaled_grouped_forward(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
+                                          fast_accum=fast_accum)
         return grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
-                            out_dtype, bias, _PerGroup(self))
+                            out_dtype, bias, _PerGroup(self), fast_accum=fast_accum)
 
     def batched_gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
-                     bias):
+                     bias, *, fast_accum=False):
         """3-D operands (``fp8_gemm`` of ``bmm`` experts): the forward as one
         ``torch._scaled_grouped_mm`` where it runs, else one ``_scaled_mm`` per expert."""
         if a.shape[-1] % 16 == 0 and b.shape[1] % 16 == 0 and _grouped_kernel_runs(a, b, bias):
-            return _scaled_batched_forward(a, a_scale_inv, b, b_scale_inv, out_dtype)
+            return _scaled_batched_forward(a, a_scale_inv, b, b_scale_inv, out_dtype,
+                                           fast_accum=fast_accum)
         return batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
-                            bias, _PerGroup(self))
+                            bias, _PerGroup(self), fast_accum=fast_accum)
 
 
 def _grouped_kernel_runs(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
@@ -109,7 +132,7 @@ def _grouped_kernel_runs(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
 
 
 def _scaled_batched_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
-                            out_dtype: torch.dtype) -> Tensor:
+                            out_dtype: torch.dtype, *, fast_accum: bool = False) -> Tensor:
     """``torch._scaled_grouped_mm`` without offsets (its 3d x 3d form) for a tensorwise batched
     GEMM: a (G, M, K) and b (G, N, K), one scale per expert each, given to each of the expert's
     rows and columns (the same products). Close to one ``_scaled_mm`` per expert, not always
@@ -118,7 +141,8 @@ def _scaled_batched_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_i
     DeepSeek-V3 layer: its FP8 step went from 210.7 to 162.5 ms."""
     m, n = a.shape[1], b.shape[1]
     return torch._scaled_grouped_mm(a, b.transpose(-2, -1), _per_group(a_scale_inv, m),
-                                    _per_group(b_scale_inv, n), out_dtype=out_dtype)
+                                    _per_group(b_scale_inv, n), out_dtype=out_dtype,
+                                    use_fast_accum=fast_accum)
 
 
 def _per_group(scale_inv: Tensor, size: int) -> Tensor:
@@ -139,29 +163,31 @@ class Job(NamedTuple):
     bias: Optional[Tensor] = None
 
 
-def run_jobs(jobs: list[Job], recipe, a_role, b_role, out_dtype, provider) -> None:
+def run_jobs(jobs: list[Job], recipe, a_role, b_role, out_dtype, provider, *,
+             fast_accum: bool = False) -> None:
     """Each job's GEMM: all at once with the provider's ``gemm_many`` where it has one (TE's
     grouped GEMM), else one of its GEMMs per job."""
     if not jobs:
         return
     if hasattr(provider, "gemm_many"):
-        provider.gemm_many(jobs, recipe, a_role, b_role, out_dtype)
+        provider.gemm_many(jobs, recipe, a_role, b_role, out_dtype, fast_accum=fast_accum)
         return
     for j in jobs:
         j.out.copy_(provider.gemm(j.a, j.a_scale_inv, j.b, j.b_scale_inv, recipe, a_role, b_role,
-                                  out_dtype, j.bias))
+                                  out_dtype, j.bias, fast_accum=fast_accum))
 
 
 def batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias,
-                 provider) -> Tensor:
+                 provider, *, fast_accum: bool = False) -> Tensor:
     """``fp8_gemm`` over 3-D operands (G, M, K) x (G, N, K): (G, M, N), one GEMM per group:
     the provider's own batched GEMM where it has one, else one job per group."""
     if hasattr(provider, "batched_gemm"):
         return provider.batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
-                                     out_dtype, bias)
+                                     out_dtype, bias, fast_accum=fast_accum)
     out = a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)
     run_jobs([Job(a[i], a_scale_inv[i], b[i], b_scale_inv[i], out[i], bias)
-              for i in range(a.shape[0])], recipe, a_role, b_role, out_dtype, provider)
+              for i in range(a.shape[0])], recipe, a_role, b_role, out_dtype, provider,
+             fast_accum=fast_accum)
     return out
 
 
@@ -173,7 +199,8 @@ class _PerGroup:
 
 
 def scaled_grouped_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
-                           offs: Tensor, out_dtype: torch.dtype) -> Tensor:
+                           offs: Tensor, out_dtype: torch.dtype, *,
+                           fast_accum: bool = False) -> Tensor:
     """``torch._scaled_grouped_mm`` for a tensorwise grouped forward: a (T, K) with one scale per
     token group, b (G, N, K) with one per expert. The kernel scales rows of a and columns of b,
     so each group's scale is given to each of its rows and each expert's to each of its columns
@@ -184,17 +211,17 @@ def scaled_grouped_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_in
     scale_a = a_scale_inv.float()[group.clamp(max=groups - 1)].contiguous()
     scale_b = _per_group(b_scale_inv, n)
     out = _compat.scaled_grouped_mm(a, b.transpose(-2, -1), scale_a=scale_a, scale_b=scale_b,
-                                    offs=offs, out_dtype=out_dtype)
+                                    offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return torch.where((group < groups)[:, None], out, out.new_zeros(()))
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype, bias,
-                 provider) -> Tensor:
+                 provider, *, fast_accum: bool = False) -> Tensor:
     """``fp8_gemm`` with offsets: the provider's own grouped GEMM where it has one, else one job
     per non-empty group on the group's slices."""
     if hasattr(provider, "grouped_gemm"):
         return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
-                                     out_dtype, bias)
+                                     out_dtype, bias, fast_accum=fast_accum)
     if bias is not None:
         raise ValueError("a grouped FP8 GEMM takes no bias")
     split_k = b.dim() == 2
@@ -223,7 +250,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, o
                 sa, sb = a_scale_inv[g], b_scale_inv[g]
             jobs.append(Job(ag.contiguous(), sa, bg.contiguous(), sb, out[g]))
         start = end
-    run_jobs(jobs, recipe, a_role, b_role, out_dtype, provider)
+    run_jobs(jobs, recipe, a_role, b_role, out_dtype, provider, fast_accum=fast_accum)
     return out
 
 

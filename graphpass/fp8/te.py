@@ -74,34 +74,30 @@ class TransformerEngine:
         return (self._wrap(b, own_scalar(b_scale_inv)), self._wrap(a, own_scalar(a_scale_inv)))
 
     def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
-             bias: Optional[Tensor]):
+             bias: Optional[Tensor], *, fast_accum: bool = False):
         # TE's FP8 GEMMs take a bf16/fp16 bias in the epilogue (linear.py casts fp32 to bf16).
         fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
         out = self._gemm(
             *self._operands(a, a_scale_inv, b, b_scale_inv), out_dtype=out_dtype,
             layout="TN", bias=bias.to(out_dtype) if fused_bias else None,
-            use_split_accumulator=_split_accumulator(a_role, b_role),
+            use_split_accumulator=not fast_accum,
         )[0]
         if bias is not None and not fused_bias:
             out = out + bias.to(out_dtype)
         return out
 
-    def gemm_many(self, jobs: list[Job], recipe, a_role, b_role, out_dtype) -> None:
+    def gemm_many(self, jobs: list[Job], recipe, a_role, b_role, out_dtype, *,
+                  fast_accum: bool = False) -> None:
         """Every job's GEMM in one ``general_grouped_gemm``, each written into its job's ``out``
         (``single_output=False``: the outs are views TE writes in place). Jobs with a bias (none
         of graphpass's expert lowerings makes one) run one ``general_gemm`` each."""
         if any(j.bias is not None for j in jobs):
             for j in jobs:
                 j.out.copy_(self.gemm(j.a, j.a_scale_inv, j.b, j.b_scale_inv, recipe, a_role,
-                                      b_role, out_dtype, j.bias))
+                                      b_role, out_dtype, j.bias, fast_accum=fast_accum))
             return
         operands = [self._operands(j.a, j.a_scale_inv, j.b, j.b_scale_inv) for j in jobs]
         self._grouped_gemm(
             [a for a, _ in operands], [b for _, b in operands], [j.out for j in jobs],
             quantization_params=[None] * len(jobs), out_dtype=out_dtype, layout="TN",
-            single_output=False, use_split_accumulator=_split_accumulator(a_role, b_role))
-
-
-def _split_accumulator(a_role: str, b_role: str) -> bool:
-    """Float8CurrentScaling: split accumulator off for fprop, on for dgrad/wgrad (§5)."""
-    return "grad" in (a_role, b_role)
+            single_output=False, use_split_accumulator=not fast_accum)

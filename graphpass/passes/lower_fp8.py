@@ -59,7 +59,7 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
         if why:
             plan.decide(Decision(What.KERNELS, "fp8", why), once=True)
-        _rewrite(joint, lin, config.fp8, provider.name, quantized)
+        _rewrite(joint, lin, config.fp8, provider.name, quantized, config.fp8_accumulate)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
         plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{config.fp8}{extra}", lin.module),
@@ -106,7 +106,8 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
 
 
 def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
-             quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]]) -> None:
+             quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]],
+             accumulate: str = "te") -> None:
     graph = joint.graph
 
     def quantize(x: fx.Node, role: str, columnwise: bool, before: fx.Node, backward: bool,
@@ -130,7 +131,9 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
         args = (*a, *b, recipe, roles, old.meta["val"].dtype, bias, kernel)
         before = before or old
         with graph.inserting_before(before):
-            new = _call(graph, FP8_GEMM, args if offs is None else (*args, offs), before, backward)
+            # the op's default accumulation ("te") is left out of the graph
+            tail = (offs, accumulate) if accumulate != "te" else (() if offs is None else (offs,))
+            new = _call(graph, FP8_GEMM, (*args, *tail), before, backward)
         old.replace_all_uses_with(new)
         graph.erase_node(old)
 
