@@ -26,6 +26,8 @@ FP8CacheFormat = Literal["e4m3_1x128_pow2", "e4m3_1x128", "e4m3_tensor", "e5m2_t
 # How FP8 GEMMs accumulate: Transformer Engine's and torchao's split (fast forward, precise
 # gradients), or one mode for every GEMM.
 FP8Accumulate = Literal["te", "fast", "precise"]
+# Which linears stay bf16 because FP8 would be slower: judged on an H100's roofline, or never.
+FP8CostModel = Literal["h100", "off"]
 
 @dataclass(frozen=True)
 class Config:
@@ -70,6 +72,13 @@ class Config:
     float8 set it), ``"fast"`` or ``"precise"`` for every GEMM. ``torch._scaled_mm``'s
     ``use_fast_accum`` and TE's ``use_split_accumulator``; the reference provider accumulates in
     fp32 whatever the mode (it models the precise one)."""
+
+    fp8_cost_model: FP8CostModel = "h100"
+    """``"h100"``: a linear whose FP8 GEMMs plus quantizes an H100's roofline estimates slower than
+    its bf16 GEMMs (a small N or K, such as grouped-query k/v projections) stays in high
+    precision, with a ``not lowered: ...: faster in bf16 (...)`` note (``graphpass/fp8/cost.py``);
+    the H100 is the target on every device, a CPU included. ``"off"`` lowers every eligible
+    linear."""
 
     fp8_min_gemm_flops: int = 0
     """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
@@ -266,6 +275,7 @@ def _combinations(config: Config) -> None:
         ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_accumulate", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("fp8_cost_model", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
         ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),

@@ -533,3 +533,69 @@ def test_reference_accumulates_in_fp32_whatever_the_mode():
     outs = [ref.gemm(qa, sa, qb, sb, "tensorwise", "input", "weight", torch.float32, None,
                      fast_accum=fast) for fast in (True, False)]
     assert torch.equal(*outs)
+
+
+def test_h100_roofline_by_hand():
+    """graphpass/fp8/cost.py on M=4096 tokens, K=4096, N=512, worked by hand: each GEMM is
+    2*4096*512*4096 = 17.18 GFLOP. bf16: 17.18e9 / 989e12 = 17.37 us a GEMM, above its bytes
+    (fprop 2*(16.78M + 2.10M + 2.10M) = 41.9 MB / 3.35 TB/s = 12.5 us; dgrad and wgrad the same
+    elements), 52.1 us for three. FP8: 8.68 us of FLOPs a GEMM; dgrad's bytes are more
+    (2.10M + 2.10M + 2*16.78M = 37.7 MB: 11.27 us), so 8.68 + 11.27 + 8.68 = 28.6 us; quantizes
+    6*(16.78M + 2.10M + 2.10M) = 125.8 MB: 37.6 us; 66.2 us in all, slower than bf16. With X
+    shared by three linears (q, k, v), its quantize is a third: 6*(5.59M + 2.10M + 2.10M) =
+    58.7 MB, 17.5 us, 46.2 us in all, faster than bf16. A tiny GEMM is not judged."""
+    from graphpass.fp8 import cost
+
+    alone = cost.linear_estimate(4096, 512, 4096)
+    assert alone.bf16 * 1e6 == pytest.approx(52.11, abs=0.01)
+    assert alone.fp8_gemms * 1e6 == pytest.approx(28.63, abs=0.01)
+    assert alone.quantizes * 1e6 == pytest.approx(37.56, abs=0.01)
+    assert alone.faster_in_bf16
+    assert alone.describe() == ("H100 roofline: FP8 GEMMs 28.6 us + quantizes 37.6 us > bf16 "
+                                "GEMMs 52.1 us")
+    shared = cost.linear_estimate(4096, 512, 4096, input_sharers=3)
+    assert shared.quantizes * 1e6 == pytest.approx(17.53, abs=0.01)
+    assert not shared.faster_in_bf16
+    # Llama-3-8B's k/v projections at sequence 8192 (q, k, v share X): FP8 on an H100
+    kv = cost.linear_estimate(8192, 1024, 4096, input_sharers=3)
+    assert kv.fp8 * 1e6 == pytest.approx(146.7, abs=0.1) and kv.bf16 * 1e6 == pytest.approx(208.5, abs=0.1)
+    assert not kv.faster_in_bf16
+    tiny = cost.linear_estimate(128, 256, 256)  # FP8 slower, but launch-bound: not judged
+    assert tiny.fp8 > tiny.bf16 and not tiny.faster_in_bf16
+
+
+class _Projections(nn.Module):
+    """A lone (4096 -> 512) projection, and q/k/v projections of one other input."""
+
+    def __init__(self):
+        super().__init__()
+        kw = dict(bias=False, device="meta", dtype=torch.bfloat16)
+        self.alone = nn.Linear(4096, 512, **kw)
+        self.q, self.k, self.v = (nn.Linear(4096, n, **kw) for n in (4096, 512, 512))
+
+    def forward(self, x, h):
+        return self.alone(x).sum() + sum(p(h).sum() for p in (self.q, self.k, self.v))
+
+
+def test_small_gemm_stays_bf16_with_a_note():
+    """Under the default ``fp8_cost_model="h100"``, a linear the roofline estimates slower in FP8
+    stays bf16 with a note naming the estimate; the same shape whose input quantize is shared
+    with q and v is lowered; ``fp8_cost_model="off"`` lowers every linear. The report's FP8
+    coverage counts the kept GEMMs as high precision."""
+    model = _Projections()
+    x, h = (torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    report = graphpass.plan(model, x, h, config=graphpass.Config(fp8="tensorwise"))
+    assert sorted(_lowering(report.notes)) == [
+        "lowered: k (reference/tensorwise)", "lowered: q (reference/tensorwise)",
+        "lowered: v (reference/tensorwise)",
+        "not lowered: alone: faster in bf16 (H100 roofline: FP8 GEMMs 28.6 us + quantizes 37.6 us "
+        "> bf16 GEMMs 52.1 us, M=4096 N=512 K=4096; fp8_cost_model='off' lowers it)"]
+    flops = {"alone": 512, "q": 4096, "k": 512, "v": 512}  # N; M and K are 4096 for all
+    assert report.meta["fp8_coverage"]["fp8_share"] == pytest.approx(
+        (4096 + 512 + 512) / sum(flops.values()), abs=1e-4)
+    forced = graphpass.plan(model, x, h, config=graphpass.Config(fp8="tensorwise",
+                                                                 fp8_cost_model="off"))
+    assert [n for n in _lowering(forced.notes) if n.startswith("not lowered")] == []
+    with pytest.raises(ValueError, match="fp8_cost_model='off' has no effect without fp8="):
+        graphpass.Config(fp8_cost_model="off")

@@ -140,6 +140,29 @@ def test_passes_are_bit_identical(module, fp8):
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
 
 
+def test_memory_plans_are_bit_identical_under_fused_quantizes():
+    """The contract under Inductor with every tensorwise quantize fused (the default): memory
+    plans that save different tensors (FP8 copies or originals, torch's min-cut or the planner,
+    recompute selections) give bit-identical gradients, as under ``codegen="eager"``. A bf16
+    layer, so that fused bf16 rounding (``emulate_precision_casts``) is part of what is held
+    equal; the plans are checked to differ, so the test compares different graphs."""
+    policies = [UNOPTIMISED, dict(), dict(save_original="always", recompute=("layernorm", "act"),
+                                          memory="default")]
+    runs = []
+    for policy in policies:
+        torch._dynamo.reset()
+        model, inputs = llama.build("tiny", seq=64, layers=1, dtype=torch.bfloat16)
+        inputs = [x.detach().requires_grad_() for x in inputs]
+        compiled = torch.compile(model, backend=graphpass.backend(fp8="tensorwise", **policy))
+        compiled(*inputs).float().pow(2).mean().backward()
+        runs.append(([inputs[0].grad, *(p.grad for p in model.parameters())],
+                     graphpass.last_report()))
+    (base, base_report), *others = runs
+    for policy, (grads, report) in zip(policies[1:], others):
+        assert _saved(report) != _saved(base_report), policy
+        assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
+
+
 # --- offload ------------------------------------------------------------------------------------
 
 def test_offload_moves_only_eligible_tensors():

@@ -30,7 +30,7 @@ import torch.fx as fx
 from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, Quantized, What, record
-from ..fp8 import providers, recipes
+from ..fp8 import cost, providers, recipes
 from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
 from ..graph.flops import node_flops
@@ -44,8 +44,10 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
     quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]] = {}
-    for lin in find_linears(joint) + find_grouped(joint) + find_grouped_offsets(joint):
-        reason = why_not_lowered(lin, config)
+    plain = find_linears(joint)
+    slower = _slower_in_fp8(plain, config)
+    for lin in plain + find_grouped(joint) + find_grouped_offsets(joint):
+        reason = why_not_lowered(lin, config) or slower.get(lin.fprop)
         if reason:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)
             for node in (lin.fprop, lin.dgrad, lin.wgrad):
@@ -70,6 +72,31 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", gemm.reason, gemm.module), once=True)
     joint.graph.lint()
     joint.recompile()
+
+
+def _slower_in_fp8(linears: list[Linear], config: Config) -> dict[fx.Node, str]:
+    """The plain linears (not grouped experts) that the roofline of ``config.fp8_cost_model``
+    estimates faster in bf16, by forward node, with the reason. A linear's input quantize is
+    shared by the lowered linears that read the same tensor (q, k and v)."""
+    if config.fp8_cost_model == "off":
+        return {}
+    eligible = [lin for lin in linears if why_not_lowered(lin, config) is None]
+    sharers: dict[Any, int] = {}
+    for lin in eligible:
+        sharers[_canonical(lin.x)] = sharers.get(_canonical(lin.x), 0) + 1
+    slower = {}
+    for lin in eligible:
+        x, w = lin.x.meta["val"], lin.w.meta["val"]
+        k = x.shape[-1]
+        n = w.shape[-1] if lin.stored_kn else w.shape[-2]
+        if not all(isinstance(d, int) for d in (*x.shape, n)):
+            continue  # a dynamic size: nothing to estimate with
+        m = x.numel() // k if k else 0
+        estimate = cost.linear_estimate(m, n, k, input_sharers=sharers[_canonical(lin.x)])
+        if estimate.faster_in_bf16:
+            slower[lin.fprop] = (f"faster in bf16 ({estimate.describe()}, M={m} N={n} K={k}; "
+                                 "fp8_cost_model='off' lowers it)")
+    return slower
 
 
 def why_not_lowered(lin: Linear, config: Config) -> str | None:
