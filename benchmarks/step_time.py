@@ -11,8 +11,13 @@ timings and the peak memory allocated. Without CUDA it runs the tiny size on CPU
 codegen="eager" (Inductor's C++ compile of every config would take minutes on 2 cores), only to
 keep the script working: those timings say nothing about FP8 on a GPU.
 
+Every run starts with torch.compile's default (bf16 under Inductor, torch's partitioner: the
+``vs bf16`` baseline) and graphpass bf16, and ends with torchao's float8 training under
+torch.compile's default (where torchao imports), so FP8 rows compare with both in the same run.
 Under Inductor, each tensorwise row has an "opaque q" twin with ``fuse_quantize=False`` (every
-quantize one extern op instead of inlined and fused), so the table shows what the fusion buys.
+quantize one extern op instead of inlined and fused) and a "precise acc" twin with
+``fp8_accumulate="precise"`` (no fast accumulation in the forward GEMM), so the table shows what
+the fusion and the accumulation mode buy.
 """
 
 from __future__ import annotations
@@ -94,9 +99,12 @@ def main() -> None:
         "CPU (no CUDA): tiny-size smoke run, timings are not representative of FP8 on a GPU")
     print(f"one training step (fw+bw), 1 layer, size={size}, bf16, codegen={codegen}, median of "
           f"{args.steps} steps after {WARMUP} warm-up; torch {torch.__version__}; {where}")
-    print("vs bf16: speedup, bf16 median / this median, both from this run")
+    print("vs bf16: speedup, the bf16 torch.compile default's median / this median, both from "
+          "this run")
 
-    configs: list[tuple[str, dict[str, object]]] = [("bf16", {"fp8": None})]
+    baseline_label = "bf16 torch.compile default"
+    configs: list[tuple[str, dict[str, object] | None]] = [(baseline_label, None),
+                                                           ("bf16", {"fp8": None})]
     for r in args.recipes:
         for k in args.kernels:
             configs.append((f"{r}/{k}", {"fp8": r, "kernels": k}))
@@ -105,6 +113,9 @@ def main() -> None:
             if r == "tensorwise" and codegen == "inductor":  # the quantize inlining's worth
                 configs.append((f"{r}/{k} opaque q", {"fp8": r, "kernels": k,
                                                       "fuse_quantize": False}))
+                configs.append((f"{r}/{k} precise acc", {"fp8": r, "kernels": k,
+                                                         "fp8_accumulate": "precise"}))
+    configs.append(("torchao float8", {"torchao": True}))
 
     header = f"{'model':<9} {'config':<36} {'median ms':>10} {'vs bf16':>8} {'peak GiB':>9}  note"
     print(header)
@@ -113,7 +124,7 @@ def main() -> None:
         baseline: float | None = None
         for label, options in configs:
             r = run_config(model_name, label, options, size, codegen, device, args.steps)
-            baseline = r.ms if label == "bf16" else baseline
+            baseline = r.ms if label == baseline_label else baseline
             ms = f"{r.ms:.2f}" if r.ms is not None else "-"
             speedup = f"{baseline / r.ms:.2f}x" if r.ms and baseline else "-"
             peak = f"{r.peak_gib:.2f}" if r.peak_gib is not None else "-"
