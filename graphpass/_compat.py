@@ -550,6 +550,36 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_
                             use_fast_accum=use_fast_accum)
 
 
+def blockwise_scaled_mm_missing() -> str | None:
+    """None where this torch has the blockwise FP8 GEMM (``torch.nn.functional.scaled_mm`` with
+    ``ScalingType.BlockWise1x128``/``BlockWise128x128``, torch >= 2.10), else why not."""
+    functional = torch.nn.functional
+    scaling = getattr(functional, "ScalingType", None)
+    if not hasattr(functional, "scaled_mm") or scaling is None or not all(
+            hasattr(scaling, n) for n in ("BlockWise1x128", "BlockWise128x128")):
+        return (f"torch {TORCH_VERSION_STR} has no blockwise FP8 GEMM "
+                "(torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128, torch >= 2.10)")
+    return None
+
+
+def blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor,
+                        recipe_a: str, scale_b: torch.Tensor, recipe_b: str,
+                        out_dtype: torch.dtype, use_fast_accum: bool) -> torch.Tensor:
+    """torch's blockwise FP8 GEMM ``a @ b``: a (M, K) row-major, b (K, N) column-major; the
+    recipes are ``ScalingType`` member names."""
+    functional = torch.nn.functional
+    return functional.scaled_mm(a, b, scale_a, getattr(functional.ScalingType, recipe_a),
+                                scale_b, getattr(functional.ScalingType, recipe_b),
+                                output_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+def cuda_version() -> tuple[int, int] | None:
+    """The CUDA version this torch was built with, (major, minor), or None for a CPU build."""
+    if not torch.version.cuda:
+        return None
+    return tuple(int(p) for p in torch.version.cuda.split(".")[:2])  # type: ignore[return-value]
+
+
 def has_scaled_grouped_mm() -> bool:
     """Whether this torch has ``torch._scaled_grouped_mm`` (2.11.0, 2.13.0 and 2.14.1 all do, with
     one schema: ``(self, mat2, scale_a, scale_b, offs=None, bias=None, scale_result=None,

@@ -165,11 +165,12 @@ class Config:
             )
         for name, valid in CHOICES.items():
             _choice(name, getattr(self, name), valid)
-        if self.kernels in ("scaled_mm", "te") and self.fp8 not in (None, "tensorwise"):
+        runs = {"te": (None, "tensorwise"), "scaled_mm": (None, "tensorwise", "blockwise")}
+        if self.fp8 not in runs.get(self.kernels, (self.fp8,)):
             raise ValueError(
                 f"invalid graphpass options kernels={self.kernels!r} with fp8={self.fp8!r}: that "
-                "provider runs fp8='tensorwise' only; use kernels='reference' (or 'auto') for "
-                f"fp8={self.fp8!r}"
+                f"provider runs fp8={' or '.join(map(repr, runs[self.kernels][1:]))} only; use "
+                f"kernels='reference' (or 'auto') for fp8={self.fp8!r}"
             )
         _type("report", self.report, bool)
         _type("fuse_quantize", self.fuse_quantize, bool)

@@ -222,9 +222,13 @@ def test_scaled_mm_matches_reference_on_cpu():
 
 
 def test_scaled_mm_refuses_block_recipes():
-    for kernels in ("scaled_mm", "te"):
-        with pytest.raises(ValueError, match=f"kernels='{kernels}' with fp8='blockwise'.*'reference'"):
-            graphpass.Config(fp8="blockwise", kernels=kernels)
+    """TE runs tensorwise only; torch's scaled_mm tensorwise and blockwise, not mxfp8."""
+    for kernels, recipe in (("te", "blockwise"), ("te", "mxfp8"), ("scaled_mm", "mxfp8")):
+        with pytest.raises(ValueError, match=f"kernels='{kernels}' with fp8='{recipe}'.*'reference'"):
+            graphpass.Config(fp8=recipe, kernels=kernels)
+    assert graphpass.Config(fp8="blockwise", kernels="scaled_mm").kernels == "scaled_mm"
+    assert "blockwise FP8 GEMM" in providers.get("scaled_mm").supports("blockwise",
+                                                                       torch.device("cpu"))
 
 
 @pytest.mark.parametrize("m,n,k", [(8192, 14336, 4096), (256, 128, 512)])
@@ -599,3 +603,77 @@ def test_small_gemm_stays_bf16_with_a_note():
     assert [n for n in _lowering(forced.notes) if n.startswith("not lowered")] == []
     with pytest.raises(ValueError, match="fp8_cost_model='off' has no effect without fp8="):
         graphpass.Config(fp8_cost_model="off")
+
+
+def _blockwise_gemms(m=256, n=384, k=512):
+    """The three GEMMs of a blockwise linear (M=256, N=384, K=512): operands as the lowering
+    quantizes them, and their roles. dgrad contracts over N=384, three 128-blocks: its weight
+    scales are padded to four (L4)."""
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+
+    def q(t, role, columnwise=False):
+        return recipes.quantize(t, "blockwise", role, columnwise=columnwise)
+
+    return {"fprop": (*q(x, "input"), *q(w, "weight"), "input", "weight"),
+            "dgrad": (*q(dy, "grad"), *q(w, "weight", True), "grad", "weight"),
+            "wgrad": (*q(dy, "grad", True), *q(x, "input", True), "grad", "input")}
+
+
+_NO_BLOCKWISE_MM = pytest.mark.skipif(_compat.blockwise_scaled_mm_missing() is not None,
+                                      reason=str(_compat.blockwise_scaled_mm_missing()))
+
+
+@_NO_BLOCKWISE_MM
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_blockwise_scale_layouts_pass_torchs_checks(gemm):
+    """The scales graphpass hands torch.nn.functional.scaled_mm for each blockwise GEMM pass
+    torch's own shape and stride checks (its meta function, the one a CUDA call runs first), on
+    fake CUDA tensors with the layouts of the real ones; the recipe's own row-major scales are
+    refused, so the check is live."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphpass.fp8 import blockwise_gemm
+
+    a, sa, b, sb, a_role, b_role = _blockwise_gemms()[gemm]
+    layouts = blockwise_gemm.scale_layouts(sa, sb, a_role, b_role)
+    assert layouts[1::2] == ("BlockWise1x128",
+                             "BlockWise1x128" if gemm == "wgrad" else "BlockWise128x128")
+    functional = torch.nn.functional
+
+    def call(scale_a, scale_b):
+        with FakeTensorMode():
+            def fake(t):
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+
+            return functional.scaled_mm(
+                fake(a), fake(b).t(), fake(scale_a), getattr(functional.ScalingType, layouts[1]),
+                fake(scale_b), getattr(functional.ScalingType, layouts[3]),
+                output_dtype=torch.bfloat16)
+
+    out = call(layouts[0], layouts[2])
+    assert out.shape == (a.shape[0], b.shape[0]) and out.device.type == "cuda"
+    with pytest.raises(RuntimeError, match="blockwise scaling"):
+        call(sa, layouts[2])  # (M, K/128) row-major: torch wants it column-major
+
+
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_blockwise_scale_layouts_mean_the_reference(gemm):
+    """Read as torch defines them (scale_a[m, kb] for 1x128; scale_b[n, kb] for 1x128 and
+    scale_b[kb, n // 128] for 128x128), the layouts give the reference provider's product: the
+    same dequantized operands, summed in fp32."""
+    from graphpass.fp8 import blockwise_gemm
+
+    a, sa, b, sb, a_role, b_role = _blockwise_gemms()[gemm]
+    scale_a, _, scale_b, recipe_b = blockwise_gemm.scale_layouts(sa, sb, a_role, b_role)
+    (m, k), n = a.shape, b.shape[0]
+    kb = k // 128
+    a32 = (a.float().view(m, kb, 128) * scale_a[:, :, None]).view(m, k)
+    if recipe_b == "BlockWise1x128":
+        b_scale = scale_b
+    else:
+        b_scale = scale_b[:kb].repeat_interleave(128, dim=1)[:, :n].t()  # (N, K/128)
+    b32 = (b.float().view(n, kb, 128) * b_scale[:, :, None]).view(n, k)
+    ref = providers.get("reference").gemm(a, sa, b, sb, "blockwise", a_role, b_role,
+                                          torch.float32, None)
+    torch.testing.assert_close(a32 @ b32.t(), ref, rtol=1e-5, atol=1e-4)

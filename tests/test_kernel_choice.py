@@ -76,10 +76,19 @@ def test_auto_with_te_chooses_te_and_says_its_version(healthy_te, fake_hopper, m
     monkeypatch.setattr(providers, "get", lambda name: FakeTE() if name == "te" else real_get(name))
     provider, why = providers.resolve("auto", "tensorwise", torch.device("cuda", 0))
     assert (provider.name, why) == ("te", "kernels='auto' chose te (Transformer Engine 2.8.0)")
-    # blockwise: TE is not wired for it here, nor is scaled_mm; the note names both reasons
+    # blockwise: TE is not wired for it here; torch's own blockwise GEMM runs it on Hopper where
+    # this torch has it (a CUDA build older than 12.9 does not): the note names the reasons
+    from graphpass.fp8 import blockwise_gemm
+
     provider, why = providers.resolve("auto", "blockwise", torch.device("cuda", 0))
-    assert provider.name == "reference"
-    assert why.startswith("kernels='auto' chose reference: te: ") and "scaled_mm: " in why
+    missing = blockwise_gemm.unsupported(torch.device("cuda", 0))
+    if missing is None:
+        assert provider.name == "scaled_mm"
+        assert why.startswith("kernels='auto' chose scaled_mm: te: the TE provider runs ")
+    else:
+        assert provider.name == "reference"
+        assert why.startswith("kernels='auto' chose reference: te: ")
+        assert f"scaled_mm: {missing}" in why
 
 
 def test_explicit_te_with_broken_te_names_the_import_error(broken_te):

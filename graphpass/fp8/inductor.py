@@ -8,8 +8,7 @@ before Inductor's own pattern passes) lets Inductor fuse the amax reduction, the
 saturating cast, and the transpose of a columnwise copy, with the ops around them, as it does
 for torchao's float8.
 
-Only the tensorwise recipe is inlined: it is the one the TE and ``torch._scaled_mm`` GEMMs take.
-Block recipes run on the reference provider (an emulation) and stay one op.
+Only the tensorwise recipe is inlined; block recipes' quantizes stay one op.
 
 Numerics. Fusing is a speed decision, held to a bound, not to the opaque op's bits: each
 dequantized FP8 value of a fused quantize is within one FP8 ulp of the opaque op's (the bound the

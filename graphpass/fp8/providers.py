@@ -4,7 +4,8 @@ A provider computes ``dequant(a) @ dequant(b).T (+ bias)`` for operands quantize
 :mod:`graphpass.fp8.recipes` (both K-major, i.e. Transformer Engine's TN layout).
 
 * ``reference``: pure torch on any device; dequantizes exactly and accumulates in fp32.
-* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise scaling.
+* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise scaling,
+  and blockwise on Hopper through torch's cuBLASLt blockwise GEMM (:mod:`graphpass.fp8.blockwise_gemm`).
 * ``te``: Transformer Engine's ``general_gemm`` (see :mod:`graphpass.fp8.te`).
 
 Accumulation (``Config.fp8_accumulate``): each GEMM gets ``fast_accum``, True for the forward GEMM
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import _compat
-from . import recipes
+from . import blockwise_gemm, recipes
 from .cublaslt import own_scalar, pad_contraction, pad_last
 
 NAMES = ("te", "scaled_mm", "reference")
@@ -76,8 +77,10 @@ class ScaledMM:
     name = "scaled_mm"
 
     def supports(self, recipe: str, device: torch.device) -> str | None:
+        if recipe == blockwise_gemm.RECIPE:
+            return blockwise_gemm.unsupported(device)
         if recipe != "tensorwise":
-            return f"torch._scaled_mm runs fp8='tensorwise' here, not {recipe!r}"
+            return f"torch._scaled_mm runs fp8='tensorwise' or 'blockwise' here, not {recipe!r}"
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             return "torch._scaled_mm needs a CUDA device of compute capability 8.9 or newer"
         if device.type not in ("cuda", "cpu"):
@@ -86,6 +89,9 @@ class ScaledMM:
 
     def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias, *,
              fast_accum=False):
+        if recipe == blockwise_gemm.RECIPE:
+            return blockwise_gemm.gemm(a, a_scale_inv, b, b_scale_inv, a_role, b_role, out_dtype,
+                                       bias, fast_accum=fast_accum)
         # cuBLASLt on Hopper is TN-only: mat2 must be column-major, which b.t() of a row-major
         # (N, K) tensor is. Bias must be bf16/fp16 and is refused with an fp32 output, so add it
         # afterwards in those cases. Its operand rules: fp8/cublaslt.py.
