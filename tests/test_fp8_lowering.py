@@ -677,3 +677,31 @@ def test_blockwise_scale_layouts_mean_the_reference(gemm):
     ref = providers.get("reference").gemm(a, sa, b, sb, "blockwise", a_role, b_role,
                                           torch.float32, None)
     torch.testing.assert_close(a32 @ b32.t(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_a_small_projection_whose_input_is_quantized_anyway_is_lowered():
+    """A (4096 -> 128) projection (a k/v shard under tensor parallelism) alone is faster in
+    bf16: its GEMMs are memory-bound (bf16 31.9 us; FP8 21.3 us) and its quantizes, X's
+    6 x 16.78M B above all, take 31.9 us. Beside a lowered q of the same input, X's quantize is
+    paid already: 21.3 + 1.9 us, lowered (keeping it bf16 would keep a bf16 X saved too)."""
+    from graphpass.fp8 import cost
+
+    alone = cost.linear_estimate(4096, 128, 4096)
+    assert alone.faster_in_bf16 and alone.quantizes * 1e6 == pytest.approx(31.93, abs=0.01)
+    quantized = cost.linear_estimate(4096, 128, 4096, input_quantized=True)
+    assert quantized.quantizes * 1e6 == pytest.approx(1.88, abs=0.01)
+    assert not quantized.faster_in_bf16
+
+    class QK(nn.Module):
+        def __init__(self):
+            super().__init__()
+            kw = dict(bias=False, device="meta", dtype=torch.bfloat16)
+            self.q, self.k = nn.Linear(4096, 4096, **kw), nn.Linear(4096, 128, **kw)
+
+        def forward(self, h):
+            return self.q(h).sum() + self.k(h).sum()
+
+    h = torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    report = graphpass.plan(QK(), h, config=graphpass.Config(fp8="tensorwise"))
+    assert sorted(_lowering(report.notes)) == ["lowered: k (reference/tensorwise)",
+                                               "lowered: q (reference/tensorwise)"]

@@ -12,7 +12,10 @@ dX = dY W, wgrad dW = dY^T X: each 2*M*N*K FLOPs):
 * a GEMM takes ``max(FLOPs / peak, bytes / bandwidth)``, bytes being its two operands (2 bytes an
   element in bf16, 1 in FP8) and its bf16 output (2 bytes);
 * FP8 adds the quantizes, ``6 * (M*K / sharers + N*K + M*N) / bandwidth``, where ``sharers`` is
-  the number of lowered linears reading the same X (q, k and v quantize their input once).
+  the number of lowered linears reading the same X (q, k and v quantize their input once); where
+  another reader of X is lowered anyway, X's quantize is paid already and costs this linear
+  nothing (keeping it bf16 would also keep a bf16 X saved for its wgrad, and under sequence
+  parallelism all-gather X in bf16).
 
 GEMMs whose bf16 estimate is under ``MIN_JUDGED_S`` are not judged: at that size kernel launches
 (a few microseconds each) dominate, which a roofline does not model, and the FP8 GEMM the user
@@ -64,12 +67,13 @@ class Estimate:
 
 
 def linear_estimate(m: int, n: int, k: int, *, input_sharers: int = 1,
-                    gpu: Roofline = H100) -> Estimate:
+                    input_quantized: bool = False, gpu: Roofline = H100) -> Estimate:
     """The roofline estimate of a linear's forward, dgrad and wgrad GEMMs (module docstring)."""
     flops = 2 * m * n * k
     # (operand a, operand b, output) elements of fprop, dgrad and wgrad
     gemms = ((m * k, n * k, m * n), (m * n, n * k, m * k), (m * n, m * k, n * k))
     bf16 = sum(max(flops / gpu.bf16_flops, 2 * (a + b + o) / gpu.bandwidth) for a, b, o in gemms)
     fp8 = sum(max(flops / gpu.fp8_flops, (a + b + 2 * o) / gpu.bandwidth) for a, b, o in gemms)
-    quantizes = 6 * (m * k / max(input_sharers, 1) + n * k + m * n) / gpu.bandwidth
+    x = 0 if input_quantized else m * k / max(input_sharers, 1)
+    quantizes = 6 * (x + n * k + m * n) / gpu.bandwidth
     return Estimate(bf16, fp8, quantizes, gpu)

@@ -77,22 +77,31 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
 def _slower_in_fp8(linears: list[Linear], config: Config) -> dict[fx.Node, str]:
     """The plain linears (not grouped experts) that the roofline of ``config.fp8_cost_model``
     estimates faster in bf16, by forward node, with the reason. A linear's input quantize is
-    shared by the lowered linears that read the same tensor (q, k and v)."""
+    shared by the lowered linears that read the same tensor (q, k and v), and costs nothing more
+    where one of them is lowered anyway."""
     if config.fp8_cost_model == "off":
         return {}
     eligible = [lin for lin in linears if why_not_lowered(lin, config) is None]
     sharers: dict[Any, int] = {}
     for lin in eligible:
         sharers[_canonical(lin.x)] = sharers.get(_canonical(lin.x), 0) + 1
-    slower = {}
+    shapes = {}
     for lin in eligible:
         x, w = lin.x.meta["val"], lin.w.meta["val"]
         k = x.shape[-1]
         n = w.shape[-1] if lin.stored_kn else w.shape[-2]
-        if not all(isinstance(d, int) for d in (*x.shape, n)):
-            continue  # a dynamic size: nothing to estimate with
-        m = x.numel() // k if k else 0
-        estimate = cost.linear_estimate(m, n, k, input_sharers=sharers[_canonical(lin.x)])
+        if all(isinstance(d, int) for d in (*x.shape, n)):  # else nothing to estimate with
+            shapes[lin.fprop] = (x.numel() // k if k else 0, n, k)
+    first = {f: cost.linear_estimate(*mnk, input_sharers=sharers[_canonical(lin.x)])
+             for lin in eligible if (f := lin.fprop) in shapes and (mnk := shapes[f])}
+    lowered_inputs = {_canonical(lin.x) for lin in eligible
+                      if lin.fprop not in first or not first[lin.fprop].faster_in_bf16}
+    slower = {}
+    for lin in eligible:
+        if lin.fprop not in first or not first[lin.fprop].faster_in_bf16:
+            continue
+        m, n, k = shapes[lin.fprop]
+        estimate = cost.linear_estimate(m, n, k, input_quantized=_canonical(lin.x) in lowered_inputs)
         if estimate.faster_in_bf16:
             slower[lin.fprop] = (f"faster in bf16 ({estimate.describe()}, M={m} N={n} K={k}; "
                                  "fp8_cost_model='off' lowers it)")
