@@ -1,0 +1,114 @@
+"""The report's predicted step peak against MemTracker's measurement of the same step.
+
+Both sides count the same bytes: parameters, the step's inputs, every tensor the forward and
+backward allocate (saved activations, transients, FP8 copies and scales, offloaded copies: on a
+CPU run the host is the device) and the gradients the backward returns. The step runs with
+``codegen="eager"`` so the partitioned graphs run as they are, in fp32. The parameters' ``.grad``
+buffers are allocated (zeros) before the step, so autograd accumulates into them in place: they
+are measured, not predicted, and subtracted from MemTracker's peak (without them, autograd's
+gradient accumulation clones each gradient under MemTracker, which a plain run does not)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import graphpass
+from examples import deepseek, gpt, llama
+
+TOLERANCE = 0.05
+
+
+class _CompiledMemTracker(MemTracker):
+    """MemTracker that lets torch.compile's code run under it (dynamo skips frames under any
+    other dispatch mode, and the step would run eagerly)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+def measured_step(model: torch.nn.Module, step, *inputs) -> int:
+    """MemTracker's peak over one training step ``step(*inputs).backward()``, less the
+    ``.grad`` buffers allocated before it; ``step`` is compiled and warmed up already."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params)
+    tracker = _CompiledMemTracker()
+    tracker.track_external(model, *[x for x in inputs if isinstance(x, torch.Tensor)])
+    with tracker:
+        loss = step(*inputs)
+        loss.backward()
+    del loss
+    peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+    return peak - grad_bytes
+
+
+def predicted_and_measured(model: torch.nn.Module, fn, *inputs, **options) -> tuple[dict, int]:
+    backend = graphpass.backend(codegen="eager", **options)
+    step = torch.compile(fn, backend=backend)
+    step(*inputs).backward()  # compile
+    model.zero_grad(set_to_none=True)
+    return backend.report().meta["step_peak"], measured_step(model, step, *inputs)
+
+
+def _example(module):
+    model, (x,) = module.build("tiny")
+    return model, (lambda x: model(x).sum()), x
+
+
+POLICIES = {
+    "default": {},
+    "auto": {"memory": "auto"},
+    "layernorm": {"recompute": ("layernorm",)},
+    "mlp": {"recompute": ("mlp",)},
+    "full": {"recompute": ("full",)},
+    "offload": {"offload": True, "offload_min_bytes": 0},
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("name", ["llama", "gpt", "deepseek"])
+def test_predicted_peak_matches_memtracker(name, policy):
+    torch.manual_seed(0)
+    model, fn, x = _example({"llama": llama, "gpt": gpt, "deepseek": deepseek}[name])
+    peak, measured = predicted_and_measured(model, fn, x, **POLICIES[policy])
+
+    assert abs(peak["bytes"] - measured) <= TOLERANCE * measured, (peak["bytes"], measured, peak)
+
+
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    from test_hf_models import _llama, _mixtral, SEQ, VOCAB
+
+    model = {"llama": _llama, "mixtral": _mixtral}[name]()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    del transformers
+    return model, (lambda ids: model(input_ids=ids, labels=ids).loss), ids
+
+
+@pytest.mark.parametrize("policy", ["default", "auto", "full", "offload"])
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_predicted_peak_matches_memtracker_on_hugging_face_models(name, policy):
+    torch.manual_seed(0)
+    model, fn, ids = _hf(name)
+    peak, measured = predicted_and_measured(model, fn, ids, **POLICIES[policy])
+
+    assert abs(peak["bytes"] - measured) <= TOLERANCE * measured, (peak["bytes"], measured, peak)
+
+
+def test_peak_in_text_and_json():
+    torch.manual_seed(0)
+    model, (x,) = llama.build("tiny")
+    report = graphpass.plan(model, x, config=graphpass.Config(codegen="eager"))
+    peak = report.meta["step_peak"]
+    assert peak["phase"] == "backward" and peak["device"] == "cpu"
+    assert peak["live"] == sorted(peak["live"], key=lambda t: (-t["bytes"], t["name"]))
+    assert sum(t["bytes"] for t in peak["live"]) == peak["bytes"]
+    assert sum(peak["by_kind"].values()) == peak["bytes"]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert peak["by_kind"]["parameter"] == params and peak["by_kind"]["gradient"] == params
+    assert "step peak (predicted, cpu): " in report.table()
+    assert graphpass.Report.from_json(report.to_json()).meta["step_peak"] == peak
