@@ -10,12 +10,16 @@ gradient accumulation clones each gradient under MemTracker, which a plain run d
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import graphpass
 from examples import deepseek, gpt, llama
+from graphpass.decisions import What
+from graphpass.report import format_bytes
 
 TOLERANCE = 0.05
 
@@ -112,3 +116,68 @@ def test_peak_in_text_and_json():
     assert peak["by_kind"]["parameter"] == params and peak["by_kind"]["gradient"] == params
     assert "step peak (predicted, cpu): " in report.table()
     assert graphpass.Report.from_json(report.to_json()).meta["step_peak"] == peak
+
+
+def _smallest_peak(error: BaseException) -> int:
+    match = re.search(r"smallest predicted step peak graphpass reaches is [^(]*\(([\d,]+) B\)",
+                      str(error))
+    assert match, str(error)
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt", "deepseek"])
+def test_budget_between_smallest_and_unbudgeted_peak_is_met(name):
+    """Predicted and measured within the budget, gradients bit-identical to the unbudgeted
+    plan's, every choice a decision in the report."""
+    module = {"llama": llama, "gpt": gpt, "deepseek": deepseek}[name]
+
+    def step(**options):
+        torch.manual_seed(0)
+        model, fn, x = _example(module)
+        backend = graphpass.backend(codegen="eager", **options)
+        compiled = torch.compile(fn, backend=backend)
+        torch.manual_seed(1)  # gpt's dropout draws the same masks in both runs
+        compiled(x).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        return backend.report(), grads, measured_step(model, compiled, x)
+
+    unbudgeted, grads, _ = step()
+    with pytest.raises(Exception) as error:  # under torch.compile, dynamo wraps the ValueError
+        step(memory_budget=1)
+    smallest = _smallest_peak(error.value)
+    full = unbudgeted.meta["step_peak"]["bytes"]
+    assert smallest < full
+    budget = (smallest + full) // 2
+    report, budgeted_grads, measured = step(memory_budget=budget)
+    assert report.meta["step_peak"]["bytes"] <= budget < full
+    assert measured <= budget, (measured, budget)
+    assert all(torch.equal(a, b) for a, b in zip(grads, budgeted_grads))
+    budget_notes = [d for d in report.decisions if d.what is What.BUDGETED]
+    assert budget_notes and f"within {format_bytes(budget)}" in str(budget_notes[-1])
+
+
+def test_budget_below_the_smallest_peak_is_one_value_error():
+    torch.manual_seed(0)
+    model, (x,) = llama.build("tiny")
+    with pytest.raises(ValueError, match=r"memory_budget=4096 \(4.00 KiB\) cannot be met: the "
+                       r"smallest predicted step peak graphpass reaches is .* B\), in the backward"
+                       r" at .*; live there: parameter .*; biggest: "):
+        graphpass.plan(model, x, config=graphpass.Config(codegen="eager", memory_budget=4096))
+
+
+def test_budget_that_fits_changes_nothing_and_says_of_what():
+    torch.manual_seed(0)
+    model, (x,) = llama.build("tiny")
+    plain = graphpass.plan(model, x, config=graphpass.Config(codegen="eager"))
+    report = graphpass.plan(model, x, config=graphpass.Config(codegen="eager", memory_budget=0.5))
+    assert [r.name for r in report.rows] == [r.name for r in plain.rows]
+    (note,) = [d for d in report.decisions if d.what is What.BUDGETED]
+    assert "fits 40.00 GiB (50% of an H100's 80 GiB: no CUDA device here) without a change" in str(note)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, 0.0, True, "1GB"])
+def test_invalid_budget(value):
+    with pytest.raises(ValueError, match="invalid graphpass option memory_budget=.*expected bytes"):
+        graphpass.Config(memory_budget=value)
