@@ -137,20 +137,23 @@ def _walk(gm: fx.GraphModule, storages: dict[int, _Storage], live: set[int], all
         for i in output.all_input_nodes:
             allocate(i, output_kind)
 
-    def on_device() -> int:
-        return sum(storages[s].bytes for s in live if storages[s].device == device)
+    def size(s: int) -> int:
+        return storages[s].bytes if storages[s].device == device else 0
 
-    best: tuple[int, fx.Node | None, set[int]] = (on_device(), None, set(live))
+    now = sum(size(s) for s in live)
+    best: tuple[int, fx.Node | None, set[int]] = (now, None, set(live))
     for node in nodes:
         allocate(node, kind)
-        mine = set(sids(node))
+        mine = set(sids(node)) - live
         live |= mine
-        now = on_device()
+        now += sum(size(s) for s in mine)
         if now > best[0]:
             best = (now, node, set(live))
         dead = {s for s in mine if s not in last_use}  # never read: freed at once
         dead |= {s for i in node.all_input_nodes for s in sids(i) if last_use.get(s) is node}
-        live -= {s for s in dead if frees(s)}
+        freed = {s for s in dead if frees(s)} & live
+        live -= freed
+        now -= sum(size(s) for s in freed)
     return best
 
 
