@@ -42,6 +42,10 @@ from ..report import format_bytes
 from .offload import why_not_offloaded
 from .tags import user_policy
 
+MAX_BATCH = 4
+"""Choices tried together at most: more reach a far budget in fewer partitions, but a large
+batch that fails (one bad recompute in it) rules all of them out."""
+
 H100_MEMORY = 80 * 2**30
 """The device memory a fractional budget is a share of when no CUDA device is present."""
 
@@ -85,24 +89,11 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     overlap = on_device and config.offload_stream is not False
     step_time = H100.compute(step_flops(joint), 0)
 
-    # the all-in plan first: the smallest peak reachable, and the fallback
     saved_tags = {n: n.meta.get("recompute") for n in joint.graph.nodes}
     recomputable = [n for n in forward_calls(joint) if _recomputable(n)]
     offloadable = [n for n in forward_calls(joint) if on_device and not n.meta.get("should_offload")
                    and _offloadable(n, config, plan)]
-    _apply_all(recomputable, offloadable, plan)
-    smallest, _ = plan.predict_peak(joint)
-    _restore(joint, saved_tags, offloadable, plan)
-    if smallest["bytes"] > budget:
-        holds = ", ".join(f"{t['kind']} {t['name']} ({format_bytes(t['bytes'])})"
-                          for t in smallest["live"][:5])
-        raise ValueError(
-            f"memory_budget={config.memory_budget!r} ({format_bytes(budget)}{of_what}) cannot be "
-            f"met: the smallest predicted step peak graphpass reaches is "
-            f"{format_bytes(smallest['bytes'])} ({smallest['bytes']:,} B), in the "
-            f"{smallest['phase']} at {smallest['node']}; live there: "
-            + ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest["by_kind"].items())
-            + f"; biggest: {holds}")
+    smallest = peak  # the smallest peak of every plan tried
 
     chosen: list[Decision] = []
     tried: set[tuple[str, str]] = set()
@@ -138,18 +129,22 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 continue
             batch.append(option)
             covered += option[3]
-            if covered >= peak["bytes"] - budget:
+            if covered >= peak["bytes"] - budget or len(batch) == MAX_BATCH:
                 break
-        # the cheapest choices that cover the excess, tried together; where they do not lower
-        # the peak, none of them is tried again
-        size = batch
-        undo = [_choose(action, node, plan) for _, action, node, _ in size]
-        new_peak, new_saved = plan.predict_peak(joint)
-        tried.update((node.name, action) for _, action, node, _ in size)
-        if new_peak["bytes"] >= peak["bytes"]:
+        # the cheapest choices that cover the excess, tried together, then without the last
+        # one and so on; a single choice that does not lower the peak is not tried again
+        for size in (batch[:n] for n in range(len(batch), 0, -1)):
+            undo = [_choose(action, node, plan) for _, action, node, _ in size]
+            new_peak, new_saved = plan.predict_peak(joint)
+            smallest = min(smallest, new_peak, key=lambda p: p["bytes"])
+            if new_peak["bytes"] < peak["bytes"]:
+                break
             for restore in reversed(undo):
                 restore()
+        if new_peak["bytes"] >= peak["bytes"]:
+            tried.add((size[0][2].name, size[0][1]))
             continue
+        tried.update((node.name, action) for _, action, node, _ in size)
         for _, action, node, nbytes in size:
             if action == "offload":
                 offload_time += 2 * nbytes / H100.host_link
@@ -159,18 +154,36 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 module_path(node), node.name))
         peak, saved = new_peak, new_saved
 
-    if peak["bytes"] > budget:  # the greedy search stalled: the all-in plan fits
+    if peak["bytes"] > budget:  # the greedy search stalled: everything at once, if it fits
+
+
         _restore(joint, saved_tags, offloadable, plan)
         _apply_all(recomputable, offloadable, plan)
-        peak = smallest
+        everything, _ = plan.predict_peak(joint)
+        smallest = min(smallest, everything, key=lambda p: p["bytes"])
+        if everything["bytes"] > budget:
+            _restore(joint, saved_tags, offloadable, plan)
+            raise ValueError(_unmet(config.memory_budget, budget, of_what, smallest))
+        peak = everything
         chosen = [Decision(What.BUDGETED, "memory_budget", (
             f"every recomputable op recomputed ({len(recomputable)}) and every eligible tensor "
             f"offloaded ({len(offloadable)}): no smaller change fits"))]
+
     for decision in chosen:
         plan.decide(decision)
     plan.decide(Decision(What.BUDGETED, "memory_budget", (
         f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(peak['bytes'])} within "
         f"{format_bytes(budget)}{of_what}; {len(chosen)} choice(s), roofline of an H100")))
+
+
+def _unmet(value: int | float, budget: int, of_what: str, smallest: dict[str, Any]) -> str:
+    holds = ", ".join(f"{t['kind']} {t['name']} ({format_bytes(t['bytes'])})"
+                      for t in smallest["live"][:5])
+    return (f"memory_budget={value!r} ({format_bytes(budget)}{of_what}) cannot be met: the "
+            f"smallest predicted step peak graphpass reaches is {format_bytes(smallest['bytes'])} "
+            f"({smallest['bytes']:,} B), in the {smallest['phase']} at {smallest['node']}; live "
+            "there: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest["by_kind"].items())
+            + f"; biggest: {holds}")
 
 
 def _choose(action: str, node: fx.Node, plan: Plan):
