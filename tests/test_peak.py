@@ -84,12 +84,11 @@ def test_predicted_peak_matches_memtracker(name, policy):
 
 
 def _hf(name):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from test_hf_models import _llama, _mixtral, SEQ, VOCAB
 
     model = {"llama": _llama, "mixtral": _mixtral}[name]()
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    del transformers
     return model, (lambda ids: model(input_ids=ids, labels=ids).loss), ids
 
 

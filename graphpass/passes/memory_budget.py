@@ -155,8 +155,6 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         peak, saved = new_peak, new_saved
 
     if peak["bytes"] > budget:  # the greedy search stalled: everything at once, if it fits
-
-
         _restore(joint, saved_tags, offloadable, plan)
         _apply_all(recomputable, offloadable, plan)
         everything, _ = plan.predict_peak(joint)
@@ -168,7 +166,6 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         chosen = [Decision(What.BUDGETED, "memory_budget", (
             f"every recomputable op recomputed ({len(recomputable)}) and every eligible tensor "
             f"offloaded ({len(offloadable)}): no smaller change fits"))]
-
     for decision in chosen:
         plan.decide(decision)
     plan.decide(Decision(What.BUDGETED, "memory_budget", (
