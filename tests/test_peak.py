@@ -180,3 +180,19 @@ def test_budget_that_fits_changes_nothing_and_says_of_what():
 def test_invalid_budget(value):
     with pytest.raises(ValueError, match="invalid graphpass option memory_budget=.*expected bytes"):
         graphpass.Config(memory_budget=value)
+
+
+def test_graph_breaks_merge_peaks_with_what_earlier_graphs_hold():
+    from graphpass.report.peak import merge_peaks, peak_dict
+
+    def peak(total, params):
+        return peak_dict(bytes=total, device="cpu", phase="backward", node="n", module="", op="op",
+                         live=[{"name": "p", "op": "input", "module": "", "kind": "parameter",
+                                "bytes": params}, {"name": "t", "op": "op", "module": "",
+                                                   "kind": "transient", "bytes": total - params}],
+                         forward_peak=total, backward_peak=total, runtime="eager")
+
+    # graph 1 runs while graph 0 holds its 300 saved bytes; each graph's parameters count once
+    merged = merge_peaks([peak(1000, 100), peak(900, 200)], saved=[300, 50], params=[100, 200])
+    assert merged["bytes"] == 900 + 300 + 100 and merged["held_by_other_graphs"] == 400
+    assert merge_peaks([peak(1000, 100)], saved=[300], params=[100])["bytes"] == 1000
