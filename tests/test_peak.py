@@ -125,7 +125,7 @@ def _smallest_peak(error: BaseException) -> int:
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt", "deepseek"])
-def test_budget_between_smallest_and_unbudgeted_peak_is_met(name):
+def test_budget_below_the_unbudgeted_peak_is_met(name):
     """Predicted and measured within the budget, gradients bit-identical to the unbudgeted
     plan's, every choice a decision in the report."""
     module = {"llama": llama, "gpt": gpt, "deepseek": deepseek}[name]
@@ -143,12 +143,11 @@ def test_budget_between_smallest_and_unbudgeted_peak_is_met(name):
         return backend.report(), grads, measured_step(model, compiled, x)
 
     unbudgeted, grads, _ = step()
-    with pytest.raises(Exception) as error:  # under torch.compile, dynamo wraps the ValueError
-        step(memory_budget=1)
-    smallest = _smallest_peak(error.value)
     full = unbudgeted.meta["step_peak"]["bytes"]
-    assert smallest < full
-    budget = (smallest + full) // 2
+    # 2% below the unbudgeted peak: above the smallest reachable one on each example (the
+    # smallest, from a budget of 1 B: llama 9,970,944 B of 11,613,440 B), and found in a few
+    # partitions (a budget further down costs a minute of search per model on 2 cores)
+    budget = int(0.98 * full)
     report, budgeted_grads, measured = step(memory_budget=budget)
     assert report.meta["step_peak"]["bytes"] <= budget < full
     assert measured <= budget, (measured, budget)
@@ -162,8 +161,12 @@ def test_budget_below_the_smallest_peak_is_one_value_error():
     model, (x,) = llama.build("tiny")
     with pytest.raises(ValueError, match=r"memory_budget=4096 \(4.00 KiB\) cannot be met: the "
                        r"smallest predicted step peak graphpass reaches is .* B\), in the backward"
-                       r" at .*; live there: parameter .*; biggest: "):
+                       r" at .*; live there: parameter .*; biggest: ") as error:
         graphpass.plan(model, x, config=graphpass.Config(codegen="eager", memory_budget=4096))
+    # what no plan frees: the parameters and, at the backward's end, their gradients
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    plain = graphpass.plan(model, x, config=graphpass.Config(codegen="eager"))
+    assert 2 * params < _smallest_peak(error.value) < plain.meta["step_peak"]["bytes"]
 
 
 def test_budget_that_fits_changes_nothing_and_says_of_what():
