@@ -103,7 +103,7 @@ class Config:
     memory (a float in (0, 1]; an H100's 80 GiB when no CUDA device is present). The planner
     recomputes or offloads saved tensors until it fits, at the least added time by a roofline
     estimate, exactly (gradients unchanged); a ValueError when no plan fits. ``None``: no
-    budget (docs/memory.md#memory-budget)."""
+    budget (docs/memory.md#memory_budget)."""
 
     offload: bool = False
     """Offload eligible saved activations to CPU with torch's activation offloading."""
