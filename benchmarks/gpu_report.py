@@ -40,7 +40,7 @@ from _harness import Result, reason  # noqa: E402
 from step_time import run_config  # noqa: E402
 
 SECTIONS = ("## Machine", "## pytest -m gpu", "## Step time and activation memory",
-            "## Offload: ", "## Targets")
+            "## Offload: ", "## Step peak: ", "## Targets")
 
 # The targets: FP8 tensorwise (the default) against bf16 Inductor and torchao float8 in the same
 # run, per model; FP8 blockwise against bf16 (Llama); every FP8 recipe's one-layer step peak at
@@ -341,9 +341,170 @@ def judge(report: Report, by_model: dict[str, list[Row]], off: tuple[Result, Res
                   f"{slow - 1:+.1%}" if slow else "a row did not run")
 
 
+# -- the step's predicted peak and the memory budget (issue 24) ------------------------------------
+
+PEAK_TOLERANCE = 0.05
+BUDGET_SHARE = 0.60  # of the unbudgeted peak
+DRY_RUN_BUDGET_SHARE = 0.95
+BUDGET_SLOWDOWN = 0.10
+OFFLOAD_ALONE_PEAK_CUT = 0.30
+
+
+def peak_configs(mode: Mode) -> list[tuple[str, int, dict[str, object]]]:
+    """(label, Llama layers, graphpass options): every memory policy on one layer, then the
+    4-layer FP8 step without and with offload; the budget row is added from the measurement."""
+    k = mode.kernels
+    fp8 = {"fp8": "tensorwise", "kernels": k}
+    layers = mode.offload_layers
+    offload = {**fp8, "offload": True, "offload_stream": True}
+    if mode.offload_min_bytes is not None:
+        offload["offload_min_bytes"] = mode.offload_min_bytes
+    one_layer = [
+        ("bf16, default", 1, {"fp8": None, "memory": "default"}),
+        ("bf16, auto", 1, {"fp8": None, "memory": "auto"}),
+        (f"FP8 tensorwise/{k}", 1, fp8),
+        (f"FP8 tensorwise/{k}, recompute layernorm", 1, {**fp8, "recompute": ("layernorm",)}),
+        (f"FP8 tensorwise/{k}, recompute mlp", 1, {**fp8, "recompute": ("mlp",)}),
+        (f"FP8 tensorwise/{k}, recompute full", 1, {**fp8, "recompute": ("full",)}),
+    ]
+    if mode.dry_run:  # the code path, at a third of the cost
+        one_layer = one_layer[:1]
+    return [
+        *one_layer,
+        (f"FP8 tensorwise/{k}, {layers} layers", layers, fp8),
+        (f"FP8 tensorwise/{k}, {layers} layers, offload + stream", layers, offload),
+    ]
+
+
+class _CompiledMemTracker:
+    """torch's MemTracker, letting torch.compile's code run under it (the CPU measurement)."""
+
+    def __new__(cls):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        class Tracker(MemTracker):
+            @classmethod
+            def ignore_compile_internals(cls) -> bool:
+                return True
+
+        return Tracker()
+
+
+def measure_peak(layers: int, options: dict[str, object], mode: Mode
+                 ) -> tuple[int | None, int | None, float | None, str]:
+    """(predicted, measured, median ms, note) of one compiled Llama step ``model(x).sum()``
+    backward. Measured: ``torch.cuda.max_memory_allocated`` of the step on CUDA (weights and
+    inputs allocated, no gradients before it); MemTracker's peak on the CPU, less the ``.grad``
+    buffers it is given before the step (autograd accumulates into them in place)."""
+    torch._dynamo.reset()
+    dtype = torch.float32 if mode.dry_run else torch.bfloat16  # CPU bf16 GEMMs are 70x slower
+    try:
+        backend = graphpass.backend(codegen=mode.codegen, **options)
+    except ValueError as e:
+        return None, None, None, f"skipped: {reason(e)}"
+    model, (x,) = importlib.import_module("examples.llama").build(
+        mode.size, layers=layers, device=mode.device, dtype=dtype)
+    step = torch.compile(lambda x: model(x).sum(), backend=backend)
+    try:
+        for _ in range(mode.warmup):
+            step(x).backward()
+    except Exception as e:  # a budget no plan meets: dynamo wraps graphpass's ValueError
+        return None, None, None, f"failed: {reason(e)}"
+    predicted = backend.report().meta["step_peak"]["bytes"]
+    times = []
+    for _ in range(mode.steps):
+        model.zero_grad(set_to_none=True)
+        if mode.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        step(x).backward()
+        if mode.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    if mode.device.type == "cuda":
+        measured = torch.cuda.max_memory_allocated()
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        tracker = _CompiledMemTracker()
+        tracker.track_external(model, x)
+        with tracker:
+            step(x).backward()
+        peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+        measured = peak - sum(p.grad.untyped_storage().nbytes() for p in params)
+    times.sort()
+    return predicted, measured, times[len(times) // 2], ""
+
+
+def peak_section(report: Report, mode: Mode, deadline: float) -> None:
+    """Predicted step peak against the measured one per config, the budget at
+    ``BUDGET_SHARE`` of the unbudgeted 4-layer peak, and their targets."""
+    m = mode
+    measure = "torch.cuda.max_memory_allocated" if m.device.type == "cuda" else "MemTracker"
+    report.add(f"## Step peak: predicted vs {measure}", "",
+               f"_{m.label}._ One compiled Llama step (`model(x).sum()` backward, {m.size} size), "
+               f"codegen {m.codegen}; measured: the step's peak of every allocation (weights, "
+               "inputs, activations, the backward's transients, gradients), predicted: the "
+               "report's `step_peak` of the same compile.", "",
+               "| config | predicted peak | measured peak | measured / predicted | median ms | note |",
+               "|---|---|---|---|---|---|")
+    results: dict[str, tuple[int | None, int | None, float | None]] = {}
+
+    def row(label: str, layers: int, options: dict[str, object]) -> None:
+        if time.monotonic() > deadline:
+            predicted, measured, ms, note = None, None, None, "skipped: time budget ran out"
+        else:
+            predicted, measured, ms, note = measure_peak(layers, options, m)
+        results[label] = (predicted, measured, ms)
+        match = _ratio(measured, predicted)
+        report.add(f"| {label} | {_bytes(predicted)} | {_bytes(measured)} | "
+                   f"{f'{match:.3f}' if match else '-'} | {f'{ms:.2f}' if ms else '-'} | {note} |")
+        report.target(f"step peak within {PEAK_TOLERANCE:.0%} of the prediction: {label}",
+                      None if match is None else abs(match - 1) <= PEAK_TOLERANCE,
+                      f"measured / predicted = {match:.3f}" if match else note or "not measured")
+        print(f"[peak] {label}: {note or 'ok'}", file=sys.stderr, flush=True)
+
+    configs = peak_configs(m)
+    for label, layers, options in configs:
+        row(label, layers, options)
+    base_label, layers, base = configs[-2]
+    offload_label = configs[-1][0]
+    unbudgeted = results[base_label][0]
+    # a tiny model's peak is mostly weights and gradients: 60% is out of reach there
+    share = DRY_RUN_BUDGET_SHARE if m.dry_run else BUDGET_SHARE
+    budget_label = f"{base_label}, memory_budget {share:.0%} of its peak"
+    if unbudgeted is not None:
+        row(budget_label, layers, {**base, "memory_budget": int(share * unbudgeted)})
+    report.add("")
+    _, base_measured, base_ms = results[base_label]
+    _, budget_measured, budget_ms = results.get(budget_label, (None, None, None))
+    fits = (None if budget_measured is None or unbudgeted is None
+            else budget_measured <= share * unbudgeted)
+    report.target(f"memory_budget {share:.0%}: the measured peak fits", fits,
+                  f"measured {_bytes(budget_measured)} vs budget "
+                  f"{_bytes(int(share * unbudgeted)) if unbudgeted else '-'}")
+    slow = _ratio(budget_ms, base_ms)
+    report.target(f"memory_budget {share:.0%}: step <= {BUDGET_SLOWDOWN:.0%} longer",
+                  None if slow is None else slow <= 1 + BUDGET_SLOWDOWN,
+                  f"{slow - 1:+.1%}" if slow else "a row did not run")
+    _, off_measured, off_ms = results[offload_label]
+    cut = (None if off_measured is None or base_measured is None
+           else 1 - off_measured / base_measured)
+    report.target(f"offload alone: step peak >= {OFFLOAD_ALONE_PEAK_CUT:.0%} lower",
+                  None if cut is None else cut >= OFFLOAD_ALONE_PEAK_CUT,
+                  f"{cut:.1%} lower" if cut is not None else "not measured")
+    slow = _ratio(off_ms, base_ms)
+    report.target(f"offload alone: step <= {OFFLOAD_SLOWDOWN:.0%} longer",
+                  None if slow is None else slow <= 1 + OFFLOAD_SLOWDOWN,
+                  f"{slow - 1:+.1%}" if slow else "a row did not run")
+
+
 def build_report(*, dry_run: bool, models: list[str], steps: int | None = None,
                  budget_s: float = 480.0, pytest_timeout_s: int = 150,
-                 run_pytest: bool = True) -> str:
+                 run_pytest: bool = True, peak_budget_s: float = 240.0,
+                 peak_only: bool = False) -> str:
     """The markdown report. ``budget_s`` bounds the whole run: configs still waiting when it is
     spent are listed as skipped, so the report always comes out."""
     start = time.monotonic()
@@ -358,6 +519,10 @@ def build_report(*, dry_run: bool, models: list[str], steps: int | None = None,
                f"- command: `PYTHONPATH=. python benchmarks/gpu_report.py"
                f"{' --dry-run' if dry_run else ''}`", "")
 
+    if peak_only:  # the step-peak section alone
+        peak_section(report, mode, start + peak_budget_s)
+        report.add(f"_Report written in {time.monotonic() - start:.0f} s._", "")
+        return report.markdown()
     report.add("## pytest -m gpu", "")
     if run_pytest:
         summary, tail = run_pytest_gpu(pytest_timeout_s)
@@ -371,6 +536,7 @@ def build_report(*, dry_run: bool, models: list[str], steps: int | None = None,
     by_model = step_section(report, mode, models, deadline)
     off = offload_section(report, mode, deadline)
     judge(report, by_model, off)
+    peak_section(report, mode, deadline + peak_budget_s)
     report.add(f"_Report written in {time.monotonic() - start:.0f} s._", "")
     return report.markdown()
 
@@ -385,9 +551,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="time budget; configs left when it is spent are reported skipped")
     parser.add_argument("--no-pytest", action="store_true", help="skip the pytest -m gpu section")
+    parser.add_argument("--peak-only", action="store_true",
+                        help="only the step-peak section: predicted vs measured peak, the budget")
     args = parser.parse_args(argv)
     text = build_report(dry_run=args.dry_run, models=args.models, steps=args.steps,
-                        budget_s=args.budget_s, run_pytest=not args.no_pytest)
+                        budget_s=args.budget_s, run_pytest=not args.no_pytest,
+                        peak_only=args.peak_only)
     Path(args.out).write_text(text)
     print(text)
     print(f"written to {args.out}", file=sys.stderr)

@@ -484,6 +484,14 @@ def offloaded_source(node: fx.Node) -> fx.Node | None:
 
 # -- torch.compile's pieces ------------------------------------------------------------------------
 
+def backend_value_error(error: BaseException) -> ValueError | None:
+    """The ValueError a backend raised, where dynamo wrapped it (``BackendCompilerFailed``)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    inner = getattr(error, "inner_exception", None) if isinstance(error, BackendCompilerFailed) else None
+    return inner if isinstance(inner, ValueError) else None
+
+
 def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

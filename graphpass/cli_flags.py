@@ -76,6 +76,10 @@ def _typed(hint: Any) -> tuple[Callable[[str], Any], str | None] | None:
     if hint == tuple[str, ...]:
         return _csv, "A,B,..."
     args = typing.get_args(hint)
+    if set(args) == {int, float, type(None)}:  # bytes, or a fraction (memory_budget)
+        return (lambda text: None if text == "none" else (
+            _number(float)(text) if any(c in text for c in ".eE") else _number(int)(text))), \
+            "INT|FLOAT|none"
     if len(args) == 2 and type(None) in args:  # X | None
         inner = _typed(next(a for a in args if a is not type(None)))
         if inner is not None:

@@ -117,6 +117,13 @@ class Config:
     recompute_budget: float | None = 0.01
     """Most recompute the planner may add, as a fraction of the step's FLOPs (None: no limit)."""
 
+    memory_budget: int | float | None = None
+    """The most the step's predicted peak may be: bytes (an int), or a fraction of the device's
+    memory (a float in (0, 1]; an H100's 80 GiB when no CUDA device is present). The planner
+    recomputes or offloads saved tensors until it fits, at the least added time by a roofline
+    estimate, exactly (gradients unchanged); a ValueError when no plan fits. ``None``: no
+    budget (docs/memory.md#memory_budget)."""
+
     offload: bool = False
     """Offload eligible saved activations to CPU with torch's activation offloading."""
 
@@ -193,6 +200,13 @@ class Config:
             raise ValueError(f"invalid graphpass option recompute_budget={self.recompute_budget!r}; "
                              "expected a fraction of step FLOPs such as 0.01, or None for no limit")
         _type("offload", self.offload, bool)
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or (isinstance(budget, int) and budget <= 0)
+                                   or (isinstance(budget, float) and not 0 < budget <= 1)):
+            raise ValueError(f"invalid graphpass option memory_budget={budget!r}; expected bytes "
+                             "(an int > 0) or a fraction of the device's memory (a float in "
+                             "(0, 1], such as 0.9)")
         if self.offload_stream is not None:
             _type("offload_stream", self.offload_stream, bool)
         for name in ("fp8_min_gemm_flops", "offload_min_bytes", "fp8_cache_min_bytes"):

@@ -52,6 +52,8 @@ class What(enum.Enum):
     OFFLOAD_ELIGIBLE = "offload: eligible"
     NOT_OFFLOADED = "offload: no ({why})"
     OFFLOADED = "offloaded to CPU, reloaded for the backward"
+    # the memory budget
+    BUDGETED = "memory_budget: {why}"
     # what the report observed in the partitioned graphs
     FLOPS_ESTIMATED = "flops: estimated as one per element for {why}"
     COLLECTIVES = "collectives in the {why}"
@@ -155,6 +157,13 @@ class Plan:
     """The min-cut of a copy of the joint graph as the passes so far tagged it: the joint nodes
     it saves and the forward nodes it recomputes in the backward (set by the pipeline; the FP8
     activation cache caches what the exact plan saves)."""
+
+    predict_peak: Callable[[fx.GraphModule], tuple[dict[str, Any], dict[str, fx.Node]]] | None = None
+    """The predicted step peak (``report.peak``) of torch's min-cut of a copy of the joint graph
+    as tagged so far, and the joint nodes it saves by name (set by the pipeline; the memory
+    budget plans against it)."""
+    budget_offloads: bool = False
+    """Whether the memory budget marked nodes for offload (torch's offloading is then on)."""
 
     def decide(self, decision: Decision, *, once: bool = False) -> None:
         """Record a decision for the report; with ``once``, unless an equal one is there already

@@ -19,6 +19,7 @@ from . import _compat
 from .config import Config
 from .decisions import Decision, Plan, What
 from .graph.nodes import module_path, op_name
+from .graph.peak import step_peak
 from .passes.tags import random_recomputes, tag
 from .report import Report
 
@@ -60,8 +61,10 @@ def min_cut(
 def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan, config: Config,
                **partitioner_args: Any) -> Partitioned:
     on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in plan.primals)
-    with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=config.offload,
-                                  offload_stream=config.offload_on_stream and on_cuda):
+    offload = config.offload or plan.budget_offloads  # the memory budget may offload alone
+    with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=offload,
+                                  offload_stream=offload and config.offload_stream is not False
+                                  and on_cuda):
         return _compat.min_cut_partition(graph, joint_inputs, **partitioner_args)
 
 
@@ -90,6 +93,28 @@ def exact_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan:
                   if n.op == "call_function" and _JOINT_NODE in n.meta
                   and _compat.partition_side(n.meta[_JOINT_NODE]) != "is_backward"}
     return saved, recomputed
+
+
+def partition_peak(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan,
+                   config: Config, **partitioner_args: Any) -> tuple[dict[str, Any], dict[str, fx.Node]]:
+    """torch's min-cut of a copy of ``joint`` as tagged so far: the step's predicted peak
+    (``graph/peak.py``) and the joint nodes it saves, by the name the forward gives them
+    (``Plan.predict_peak``)."""
+    for node in joint.graph.nodes:
+        node.meta[_JOINT_NODE] = node
+    try:
+        fw, bw = _partition(_copy(joint), joint_inputs, plan=plan, config=config,
+                            **partitioner_args)
+    finally:
+        for node in joint.graph.nodes:
+            node.meta.pop(_JOINT_NODE, None)
+    num_fwd_outputs = partitioner_args["num_fwd_outputs"]
+    outputs = fw.graph.find_nodes(op="output")[0].args[0]
+    saved = {n.name: n.meta[_JOINT_NODE] for n in outputs[num_fwd_outputs:]
+             if isinstance(n, fx.Node) and _JOINT_NODE in n.meta}
+    peak = step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs,
+                     parameter_names={p.name for p in plan.parameters}, runtime=config.codegen)
+    return peak, saved
 
 
 def _copy(joint: fx.GraphModule) -> fx.GraphModule:

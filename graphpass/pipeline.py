@@ -12,11 +12,12 @@ import torch.fx as fx
 from . import _compat
 from .config import Config, given
 from .decisions import Plan
-from .min_cut import exact_partition, min_cut
+from .min_cut import exact_partition, min_cut, partition_peak
 from .passes.canonicalize import canonicalize
 from .passes.fp8_all_gather import fp8_all_gather
 from .passes.fp8_cache import fp8_cache
 from .passes.lower_fp8 import lower_fp8
+from .passes.memory_budget import memory_budget
 from .passes.offload import offload
 from .passes.plan_memory import plan_memory
 from .passes.recompute import recompute
@@ -34,7 +35,9 @@ PASSES: tuple[Callable[[fx.GraphModule, Plan, Config], None], ...] = (
     # exact, and weighed on torch's min-cut of the plan the passes above tagged
     regather,
     # lossy and opt-in: after the exact passes, FP8 copies of what their plan still saves
-    fp8_cache)
+    fp8_cache,
+    # exact: recompute or offload what the plan above still saves until its peak fits
+    memory_budget)
 
 
 class Partition(NamedTuple):
@@ -88,6 +91,9 @@ def run(
     static = _compat.static_primal_positions(primals, list(static_lifetime_input_indices or []))
     plan = Plan(primals=primals, parameters={primals[i] for i in static})
     plan.exact_partition = lambda graph: exact_partition(
+        graph, joint_inputs, plan=plan, config=config, num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static, compiler=compiler)
+    plan.predict_peak = lambda graph: partition_peak(
         graph, joint_inputs, plan=plan, config=config, num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static, compiler=compiler)
     with _compat.assumed_sizes() as assumed:  # unbacked sizes that got a hint: a report note

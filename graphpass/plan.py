@@ -40,7 +40,13 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
 
     compiled = torch.compile(fake_module, backend=planning_backend, dynamic=False)
     with mode, _compat.unlimited_recompiles():
-        compiled(*fake_inputs)
+        try:
+            compiled(*fake_inputs)
+        except Exception as e:  # a budget no plan meets: the ValueError itself
+            error = _compat.backend_value_error(e)
+            if error is None:
+                raise
+            raise error from None
     reports = partitioner.reports
     if not reports:
         return Report(rows=[], graphs=0, notes=[

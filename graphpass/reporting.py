@@ -21,6 +21,7 @@ from .graph.collectives import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
 from .graph.outcome import outcome_notes
+from .graph.peak import step_peak
 from .graph.saved import saved_rows
 from .report import Report
 
@@ -75,6 +76,9 @@ class ReportBuilder:
         report.notes = [str(d) for d in report.decisions]
         report.meta = _meta(self.config)
         report.meta.update(step_flops=self.step_flops, recompute_flops=recompute_flops)
+        report.meta["step_peak"] = step_peak(
+            fw, bw, num_fwd_outputs=self.num_fwd_outputs, parameter_names=self.parameter_names,
+            runtime=self.config.codegen)
         if self.fp8_coverage is not None:
             report.meta["fp8_coverage"] = self.fp8_coverage
         return report

@@ -60,6 +60,12 @@ def test_dry_run_writes_every_section(tmp_path):
         assert line in targets, (line, targets)
     assert "offload: activation peak >= 30% lower" in targets
     assert "PASS" not in targets and "FAIL" not in targets  # a dry run judges nothing
+    # The step peak: predicted and MemTracker-measured agree on every row, the budget's included.
+    peak = text.split("## Step peak: predicted vs MemTracker", 1)[1].split("## Targets", 1)[0]
+    peak_rows = [r for r in peak.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    assert len(peak_rows) == 4 and "memory_budget 95% of its peak" in peak_rows[-1], peak_rows
+    assert all(" | 1.000 | " in r for r in peak_rows), peak_rows
+    assert "would pass; CPU numbers, not judged): memory_budget 95%: the measured peak fits" in targets
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

@@ -33,6 +33,7 @@ FIELDS = {
     "recompute_num_layers": st.integers(-1, 4),
     "recompute_include": st.lists(st.sampled_from(["*", "layers.0.*"]), min_size=1, max_size=2),
     "recompute_budget": st.one_of(st.none(), st.floats(-1, 2), st.just(float("nan"))),
+    "memory_budget": st.one_of(st.none(), st.integers(-5, 1 << 40), st.floats(-1, 2)),
     "offload": st.booleans(),
     "offload_stream": st.one_of(st.none(), st.booleans()),
     "offload_min_bytes": st.integers(-5, 1 << 22),

@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from ..decisions import Decision, What
 from .coverage import merge_coverage
+from .peak import merge_peaks
 from .table import table
 from .totals import SavedTotals
 
@@ -137,6 +138,10 @@ class Report(SavedTotals):
         parts = [rep.meta["fp8_coverage"] for rep in reports if "fp8_coverage" in rep.meta]
         if parts:
             merged.meta["fp8_coverage"] = merge_coverage(parts)
+        if reports and all("step_peak" in rep.meta for rep in reports):
+            merged.meta["step_peak"] = merge_peaks(
+                [rep.meta["step_peak"] for rep in reports], [rep.activation_bytes for rep in reports],
+                [rep.meta["step_peak"]["by_kind"].get("parameter", 0) for rep in reports])
         return merged
 
     def to_dict(self) -> dict[str, Any]:

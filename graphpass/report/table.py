@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from ..paths import OUTSIDE_LAYERS
 from .coverage import coverage_lines
+from .peak import peak_lines
 from .totals import format_bytes
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ def table(report: Report, *, max_consumers: int = 3) -> str:
                      "of the step's FLOPs")
     if "fp8_coverage" in report.meta:
         lines += coverage_lines(report.meta["fp8_coverage"])
+    if "step_peak" in report.meta:
+        lines += peak_lines(report.meta["step_peak"])
     layers = report.bytes_by("layer")
     if len(layers) > 1 or OUTSIDE_LAYERS not in layers:
         lines += [f"  {layer}: {format_bytes(b)}" for layer, b in layers.items()]

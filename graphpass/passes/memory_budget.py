@@ -1,0 +1,260 @@
+"""The memory budget (``memory_budget``): recompute or offload saved tensors until the step's
+predicted peak fits, at the least added step time.
+
+Exact: it only recomputes ops that draw no random numbers and offloads through torch's
+activation offloading, so gradients are bit-identical to the plan without a budget. The FP8
+activation cache, which is lossy, is never chosen here: it is the user's ``fp8_cache`` setting,
+applied before this pass, whose savings the budget then counts.
+
+The plan is greedy against the predicted peak (``graph/peak.py``) of torch's min-cut: while the
+peak is over budget, of the saved tensors live at the peak, take the choice (recompute its
+producer, or offload it) that costs the least added time per byte, re-partition, and keep it if
+the peak fell. Time is a roofline (:class:`Roofline`): a recompute costs its FLOPs at the GEMM
+rate or its bytes at the memory bandwidth, whichever is slower; an offload costs its copy out and
+back over the host link, nothing while the copies fit under the step's compute on a separate
+stream (CUDA, ``offload_stream``). The numbers are an H100's unless given: graphpass measures
+nothing. On a CPU device an offload frees nothing (the host is the device), so only recomputes
+are weighed there.
+
+Before the greedy search, the smallest peak the budget can reach is computed once (everything
+recomputable recomputed, everything eligible offloaded); a budget below it raises one ValueError
+naming that peak and what holds it. When the greedy search stalls above the budget (a recompute
+that lowers the peak alone may not), that all-in plan is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .. import _compat
+from .._compat import size_hint
+from ..config import Config
+from ..decisions import Decision, Plan, What
+from ..graph.flops import node_flops, step_flops
+from ..graph.nodes import is_random, module_path, op_name, producer
+from ..graph.regions import forward_calls
+from ..report import format_bytes
+from .offload import why_not_offloaded
+from .tags import user_policy
+
+MAX_BATCH = 4
+"""Choices tried together at most: more reach a far budget in fewer partitions, but a large
+batch that fails (one bad recompute in it) rules all of them out."""
+
+H100_MEMORY = 80 * 2**30
+"""The device memory a fractional budget is a share of when no CUDA device is present."""
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A device's rates, for the time a choice adds (H100 SXM by default)."""
+
+    flops: float = 989e12
+    """Dense bf16 tensor-core FLOP/s (FP8: twice that)."""
+    fp32_flops: float = 67e12
+    """FP32 FLOP/s without TF32 (torch's default for fp32 matmuls)."""
+    memory_bandwidth: float = 3.35e12
+    """HBM3 bytes/s."""
+    host_link: float = 50e9
+    """Host-device copy bytes/s each way (PCIe Gen5 x16, ~64 GB/s peak)."""
+
+    def compute(self, flops: float, nbytes: float, dtype: torch.dtype | None = None) -> float:
+        rate = (self.fp32_flops if dtype in (torch.float32, torch.float64)
+                else 2 * self.flops if dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                else self.flops)
+        return max(flops / rate, nbytes / self.memory_bandwidth)
+
+
+H100 = Roofline()
+
+
+def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+    if config.memory_budget is None:
+        return
+    assert plan.predict_peak is not None
+    budget, of_what = budget_bytes(config.memory_budget, plan)
+    peak, saved = plan.predict_peak(joint)
+    if peak["bytes"] <= budget:
+        plan.decide(Decision(What.BUDGETED, "memory_budget", (
+            f"the predicted peak {format_bytes(peak['bytes'])} fits {format_bytes(budget)}"
+            f"{of_what} without a change")))
+        return
+    unbudgeted = peak["bytes"]
+    on_device = peak["device"] != "cpu"
+    overlap = on_device and config.offload_stream is not False
+    step_time = H100.compute(step_flops(joint), 0)
+
+    saved_tags = {n: n.meta.get("recompute") for n in joint.graph.nodes}
+    recomputable = [n for n in forward_calls(joint) if _recomputable(n)]
+    offloadable = [n for n in forward_calls(joint) if on_device and not n.meta.get("should_offload")
+                   and _offloadable(n, config, plan)]
+    smallest = peak  # the smallest peak of every plan tried
+
+    chosen: list[Decision] = []
+    tried: set[tuple[str, str]] = set()
+    offload_time = 0.0
+    while peak["bytes"] > budget:
+        options = []
+        kept = set(saved.values()) | set(plan.primals)
+        for live in peak["live"]:
+            node = saved.get(live["name"])
+            if live["kind"] != "saved" or node is None:
+                continue
+            source = producer(node)
+            if (source.name, "recompute") not in tried and _recomputable(source):
+                nbytes = _bytes(source) + sum(_bytes(i) for i in source.all_input_nodes)
+                seconds = H100.compute(node_flops(source), nbytes, _dtype(source))
+                # a recompute from tensors saved anyway frees its output; one that needs others
+                # saved in its place may not: tried after
+                needs_more = any(i not in kept for i in source.all_input_nodes)
+                options.append((needs_more, seconds / live["bytes"], "recompute", source,
+                                live["bytes"]))
+            if (node.name, "offload") not in tried and node in offloadable:
+                copy = 2 * live["bytes"] / H100.host_link
+                hidden = overlap and offload_time + copy <= step_time
+                options.append((False, (0.0 if hidden else copy) / live["bytes"], "offload", node,
+                                live["bytes"]))
+        if not options:
+            break
+        options.sort(key=lambda o: (o[0], o[1], -o[4], o[3].name))
+        options = [o[1:] for o in options]
+        batch, covered = [], 0
+        for option in options:
+            if option[2] in {b[2] for b in batch}:
+                continue
+            batch.append(option)
+            covered += option[3]
+            if covered >= peak["bytes"] - budget or len(batch) == MAX_BATCH:
+                break
+        # the cheapest choices that cover the excess, tried together, then without the last
+        # one and so on; a single choice that does not lower the peak is not tried again
+        for size in (batch[:n] for n in range(len(batch), 0, -1)):
+            undo = [_choose(action, node, plan) for _, action, node, _ in size]
+            new_peak, new_saved = plan.predict_peak(joint)
+            smallest = min(smallest, new_peak, key=lambda p: p["bytes"])
+            if new_peak["bytes"] < peak["bytes"]:
+                break
+            for restore in reversed(undo):
+                restore()
+        if new_peak["bytes"] >= peak["bytes"]:
+            tried.add((size[0][2].name, size[0][1]))
+            continue
+        tried.update((node.name, action) for _, action, node, _ in size)
+        for _, action, node, nbytes in size:
+            if action == "offload":
+                offload_time += 2 * nbytes / H100.host_link
+            chosen.append(Decision(What.BUDGETED, "memory_budget", (
+                f"{action} {node.name} ({op_name(node)}, {format_bytes(nbytes)}; "
+                f"step peak {format_bytes(peak['bytes'])} -> {format_bytes(new_peak['bytes'])})"),
+                module_path(node), node.name))
+        peak, saved = new_peak, new_saved
+
+    if peak["bytes"] > budget:  # the greedy search stalled: everything at once, if it fits
+        _restore(joint, saved_tags, offloadable, plan)
+        _apply_all(recomputable, offloadable, plan)
+        everything, _ = plan.predict_peak(joint)
+        smallest = min(smallest, everything, key=lambda p: p["bytes"])
+        if everything["bytes"] > budget:
+            _restore(joint, saved_tags, offloadable, plan)
+            raise ValueError(_unmet(config.memory_budget, budget, of_what, smallest))
+        peak = everything
+        chosen = [Decision(What.BUDGETED, "memory_budget", (
+            f"every recomputable op recomputed ({len(recomputable)}) and every eligible tensor "
+            f"offloaded ({len(offloadable)}): no smaller change fits"))]
+    for decision in chosen:
+        plan.decide(decision)
+    plan.decide(Decision(What.BUDGETED, "memory_budget", (
+        f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(peak['bytes'])} within "
+        f"{format_bytes(budget)}{of_what}; {len(chosen)} choice(s), roofline of an H100")))
+
+
+def _unmet(value: int | float, budget: int, of_what: str, smallest: dict[str, Any]) -> str:
+    holds = ", ".join(f"{t['kind']} {t['name']} ({format_bytes(t['bytes'])})"
+                      for t in smallest["live"][:5])
+    return (f"memory_budget={value!r} ({format_bytes(budget)}{of_what}) cannot be met: the "
+            f"smallest predicted step peak graphpass reaches is {format_bytes(smallest['bytes'])} "
+            f"({smallest['bytes']:,} B), in the {smallest['phase']} at {smallest['node']}; live "
+            "there: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest["by_kind"].items())
+            + f"; biggest: {holds}")
+
+
+def _choose(action: str, node: fx.Node, plan: Plan):
+    """Tag ``node`` for ``action``; returns the function that undoes it."""
+    policy, offloads = node.meta.get("recompute"), plan.budget_offloads
+    if action == "recompute":
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    else:
+        _compat.mark_for_offload(node)
+        plan.budget_offloads = True
+
+    def undo() -> None:
+        if policy is None:
+            node.meta.pop("recompute", None)
+        else:
+            node.meta["recompute"] = policy
+        if action == "offload":
+            node.meta.pop("should_offload", None)
+            plan.budget_offloads = offloads
+
+    return undo
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def budget_bytes(budget: int | float, plan: Plan) -> tuple[int, str]:
+    """The budget in bytes, and for a fraction what it is a fraction of."""
+    if isinstance(budget, int):
+        return budget, ""
+    devices = {p.meta["val"].device for p in plan.primals if isinstance(p.meta.get("val"), torch.Tensor)}
+    cuda = next((d for d in devices if d.type == "cuda"), None)
+    if cuda is not None and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(cuda).total_memory
+        return int(budget * total), f" ({budget:.0%} of {format_bytes(total)}, this GPU)"
+    return int(budget * H100_MEMORY), f" ({budget:.0%} of an H100's 80 GiB: no CUDA device here)"
+
+
+def _recomputable(node: fx.Node) -> bool:
+    """Exact to recompute: a forward op that draws no random numbers, outside the user's own
+    checkpoint policy, not already recomputed."""
+    return (node.op == "call_function" and not is_random(node) and user_policy(node) is None
+            and node.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE
+            and op_name(node) != "getitem")
+
+
+def _offloadable(node: fx.Node, config: Config, plan: Plan) -> bool:
+    return why_not_offloaded(node, config, is_parameter=node in plan.parameters) is None
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return size_hint(val.numel(), where=f"the budget's size of {node.name}") * val.element_size()
+
+
+def _apply_all(recomputable: list[fx.Node], offloadable: list[fx.Node], plan: Plan) -> None:
+    for node in recomputable:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    for node in offloadable:
+        _compat.mark_for_offload(node)
+    plan.budget_offloads = plan.budget_offloads or bool(offloadable)
+
+
+def _restore(joint: fx.GraphModule, tags: dict[fx.Node, Any], offloadable: list[fx.Node],
+             plan: Plan) -> None:
+    for node, policy in tags.items():
+        if policy is None:
+            node.meta.pop("recompute", None)
+        else:
+            node.meta["recompute"] = policy
+    for node in offloadable:  # none was marked before the budget
+        node.meta.pop("should_offload", None)
+    plan.budget_offloads = False
