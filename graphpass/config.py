@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 # The fields that take one of a fixed set of values are typed with these; their valid values (and
 # the CLI's flags) are read from the types: CHOICES below.
 Codegen = Literal["inductor", "eager"]
-FP8Recipe = Literal[None, "tensorwise", "blockwise", "mxfp8"]
+FP8Recipe = Literal[None, "tensorwise", "blockwise", "mxfp8", "rowwise"]
 Kernels = Literal["auto", "te", "scaled_mm", "reference"]
 SaveOriginal = Literal["auto", "always", "never"]
 Memory = Literal[None, "auto", "default"]
@@ -39,7 +39,14 @@ class Config:
     """Build a saved-tensor report after each partition (``graphpass.last_report()``)."""
 
     fp8: FP8Recipe = None
-    """FP8 recipe for linear layers: ``None`` (off), ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``."""
+    """FP8 recipe for linear layers: ``None`` (off), ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``,
+    ``"rowwise"`` (E4M3 everywhere, one fp32 scale per row of each GEMM operand: the recipe of
+    ``torch._scaled_mm``'s and ``torch._scaled_grouped_mm``'s rowwise kernels, torchao's
+    ``rowwise``)."""
+
+    fp8_pow2_scales: bool = False
+    """With ``fp8="rowwise"``: scales rounded down to powers of two (torchao's
+    ``round_scales_to_power_of_2``), so scaling and unscaling are exact."""
 
     kernels: Kernels = "auto"
     """FP8 kernel provider: ``"auto"``, ``"te"``, ``"scaled_mm"`` or ``"reference"``."""
@@ -133,6 +140,14 @@ class Config:
         return self.memory or ("auto" if self.fp8 else "default")
 
     @property
+    def fp8_recipe(self) -> str | None:
+        """The recipe name the FP8 graph ops carry: ``fp8``, or ``"rowwise_pow2"`` for
+        ``fp8="rowwise"`` with ``fp8_pow2_scales``."""
+        if self.fp8 is None:
+            return None
+        return "rowwise_pow2" if self.fp8_pow2_scales and self.fp8 == "rowwise" else self.fp8
+
+    @property
     def offload_on_stream(self) -> bool:
         return self.offload and self.offload_stream is not False
 
@@ -146,7 +161,14 @@ class Config:
             )
         for name, valid in CHOICES.items():
             _choice(name, getattr(self, name), valid)
-        if self.kernels in ("scaled_mm", "te") and self.fp8 not in (None, "tensorwise"):
+        if self.kernels == "te" and self.fp8 == "rowwise":
+            raise ValueError(
+                "invalid graphpass options kernels='te' with fp8='rowwise': Transformer Engine has "
+                "no rowwise (per-row current) scaling recipe; use kernels='scaled_mm' "
+                "(torch._scaled_mm / torch._scaled_grouped_mm rowwise), 'auto' or 'reference'"
+            )
+        if (self.kernels in ("scaled_mm", "te") and self.fp8 not in (None, "tensorwise")
+                and not (self.kernels == "scaled_mm" and self.fp8 == "rowwise")):
             raise ValueError(
                 f"invalid graphpass options kernels={self.kernels!r} with fp8={self.fp8!r}: that "
                 "provider runs fp8='tensorwise' only; use kernels='reference' (or 'auto') for "
@@ -154,6 +176,7 @@ class Config:
             )
         _type("report", self.report, bool)
         _type("fuse_quantize", self.fuse_quantize, bool)
+        _type("fp8_pow2_scales", self.fp8_pow2_scales, bool)
         _type("fp8_all_gather", self.fp8_all_gather, bool)
         for name in ("fp8_exclude", "save_original_modules", "recompute", "recompute_include",
                      "offload_exclude"):
@@ -256,6 +279,7 @@ def _combinations(config: Config) -> None:
         ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("fp8_pow2_scales", config.fp8 == "rowwise", "fp8='rowwise'"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
         ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),
         ("fp8_cache_format", config.fp8_cache is not None, "fp8_cache='act_input' (or another "

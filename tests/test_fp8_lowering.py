@@ -13,7 +13,7 @@ from graphpass import _compat
 from graphpass.fp8 import providers, recipes
 from examples import deepseek, gpt, llama
 
-RECIPES = ("tensorwise", "blockwise", "mxfp8")
+RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
 # Relative error (Frobenius) of FP8 vs fp32 on N(0, 1) data with K = 256: E4M3 keeps 3
 # mantissa bits (2^-4 relative step), E5M2 for gradients 2 (2^-3). Blockwise and mxfp8 scale
 # per block, so they do no worse than tensorwise; the gradients carry E5M2 error (tensorwise)

@@ -54,12 +54,12 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             continue
         device = lin.x.meta["val"].device
         try:
-            provider, why = providers.resolve(config.kernels, config.fp8, device)
+            provider, why = providers.resolve(config.kernels, config.fp8_recipe, device)
         except ValueError as e:
             raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
         if why:
             plan.decide(Decision(What.KERNELS, "fp8", why), once=True)
-        _rewrite(joint, lin, config.fp8, provider.name, quantized)
+        _rewrite(joint, lin, config.fp8_recipe, provider.name, quantized)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
         plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{config.fp8}{extra}", lin.module),
@@ -89,8 +89,10 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     # so M needs their alignment; token groups (offsets) are quantized per group, padded where a
     # block would span two (fp8/ops.py). Tensorwise has no block along M, and every provider
     # zero-pads a contraction to 16 (exact): M may be any size, even dynamic (the tokens a
-    # per-expert loop routes to one expert: nonzero's unbacked size).
-    tensorwise = recipes.block_shape(config.fp8, "input") is None
+    # per-expert loop routes to one expert: nonzero's unbacked size). Rowwise likewise: a scale
+    # spans a whole row along M, never a block of it.
+    tensorwise = (recipes.is_rowwise(config.fp8)
+                  or recipes.block_shape(config.fp8, "input") is None)
     for dim, size in (("K", k), ("N", n), ("M", m)):
         if dim == "M" and tensorwise:
             continue
