@@ -8,8 +8,10 @@ before Inductor's own pattern passes) lets Inductor fuse the amax reduction, the
 saturating cast, and the transpose of a columnwise copy, with the ops around them, as it does
 for torchao's float8.
 
-Only the tensorwise recipe is inlined: it is the one the TE and ``torch._scaled_mm`` GEMMs take.
-Block recipes run on the reference provider (an emulation) and stay one op.
+The tensorwise and rowwise recipes are inlined: they are the ones the TE and ``torch._scaled_mm``
+/ ``torch._scaled_grouped_mm`` GEMMs take. A rowwise scale is local to its row (one reduction
+along it), and its grouped quantizes (offsets) are device ops without a host sync, so they are
+inlined too. Block recipes run on the reference provider (an emulation) and stay one op.
 
 Exactness: in a fused kernel Inductor keeps bf16 intermediates in fp32 unless
 ``emulate_precision_casts`` is set, so a fused quantize would see an unrounded input and give
@@ -29,9 +31,9 @@ import torch.fx as fx
 
 from .. import _compat
 from ..decisions import Decision, What
-from . import ops
+from . import ops, recipes
 
-INLINED_RECIPES = ("tensorwise",)
+INLINED_RECIPES = ("tensorwise", "rowwise")
 
 
 def inlinable(recipe: str, role: str, device: torch.device) -> bool:
@@ -39,7 +41,8 @@ def inlinable(recipe: str, role: str, device: torch.device) -> bool:
     (torch 2.11) a gradient quantize fused with its producers in the backward gave other FP8 bits
     than the op, although the same quantize compiled on its own is exact; with gradient
     quantizes kept as one op, the whole step is bit-identical (forward quantizes fuse exactly)."""
-    return recipe in INLINED_RECIPES and (device.type == "cpu" or role != "grad")
+    return (recipes.get_recipe(recipe).name in INLINED_RECIPES
+            and (device.type == "cpu" or role != "grad"))
 
 
 def fusion_notes(*, device_types: set[str]) -> list[Decision]:
@@ -74,6 +77,19 @@ def _patterns() -> Any:
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
         match.replace_by_example(lambda x: ops._quantize(x, recipe, role, usage), [x])
+
+    @pm.register_graph_pattern(
+        pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
+                        pm.KeywordArg("role"), pm.KeywordArg("usage"), pm.KeywordArg("offs")),
+        # rowwise over token groups: per-row or per-(group, column) scales, no host sync
+        extra_check=lambda match: recipes.is_rowwise(match.kwargs["recipe"]) and inlinable(
+            match.kwargs["recipe"], match.kwargs["role"], match.kwargs["x"].meta["val"].device),
+        pass_dict=patterns,
+    )
+    def _inline_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
+                       offs: fx.Node) -> None:
+        match.replace_by_example(lambda x, offs: ops._quantize(x, recipe, role, usage, offs),
+                                 [x, offs])
 
     return patterns
 
