@@ -27,6 +27,7 @@ class What(enum.Enum):
     LOWERED = "lowered: {module} ({why})"
     NOT_LOWERED = "not lowered: {module}: {why}"
     KERNELS = "kernels: {why}"
+    GROUPED_GEMMS = "grouped gemms: {module}: {why}"
     FUSE_QUANTIZE_OFF = "fuse_quantize: off: {why}"
     FUSE_QUANTIZE_PARTLY = "fuse_quantize: {why}"
     FP8_COPY = "fp8 copy ({why})"

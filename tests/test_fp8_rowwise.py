@@ -242,6 +242,9 @@ def test_token_groups_run_one_grouped_call_per_gemm(stored_kn, pow2, monkeypatch
     grouped, single = _count_grouped(monkeypatch)
     got = _step(model, [x, offs], "scaled_mm", pow2=pow2)
     assert sorted(grouped) == ["2d x 2d", "2d x 3d", "2d x 3d"] and not single
+    assert [n for n in graphpass.last_report().notes if n.startswith("grouped gemms")] == [
+        "grouped gemms: <root>: forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA "
+        "sm90+, its emulation on the CPU; one torch._scaled_mm per expert on older GPUs)"]
     for r, g in zip(ref, got):
         assert torch.equal(r, g)
 
@@ -373,3 +376,17 @@ def test_rowwise_quantizes_are_inlined_and_bit_identical_to_the_op(monkeypatch):
     assert "graphpass.fp8_gemm" in fused_code
     for a, b in zip(fused, opaque):
         assert torch.equal(a, b)
+
+
+def test_tensorwise_experts_say_what_still_loops(monkeypatch):
+    """Never silent: under tensorwise, the scaled_mm provider's expert dgrad and wgrad are one
+    _scaled_mm per expert (E5M2 gradients, which the grouped kernel refuses); the report says so,
+    and the CPU run makes exactly those per-group calls."""
+    torch.manual_seed(0)
+    model = _Bmm()
+    x = torch.randn(E, 96, K, dtype=torch.bfloat16)
+    grouped, single = _count_grouped(monkeypatch)
+    _step(model, [x], "scaled_mm", recipe="tensorwise")
+    assert not grouped and len(single) == 3 * E  # the CPU has no tensorwise grouped kernel
+    [note] = [n for n in graphpass.last_report().notes if n.startswith("grouped gemms")]
+    assert "dgrad and wgrad one torch._scaled_mm per expert" in note and "E5M2" in note

@@ -64,12 +64,26 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
         plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{config.fp8}{extra}", lin.module),
                     once=True)
+        if provider.name == "scaled_mm" and (lin.offs is not None or lin.w.meta["val"].dim() == 3):
+            plan.decide(Decision(What.GROUPED_GEMMS, "fp8", _grouped_kernels(config.fp8),
+                                 lin.module), once=True)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
     for gemm in gemms.gemms(joint):
         if gemm.reason is not None:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", gemm.reason, gemm.module), once=True)
     joint.graph.lint()
     joint.recompile()
+
+
+def _grouped_kernels(recipe: str) -> str:
+    """How the scaled_mm provider runs an expert linear's three GEMMs (fp8/providers.py)."""
+    if recipe == "rowwise":
+        return ("forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA sm90+, its "
+                "emulation on the CPU; one torch._scaled_mm per expert on older GPUs)")
+    return ("forward one torch._scaled_grouped_mm on CUDA sm90+; dgrad and wgrad one "
+            "torch._scaled_mm per expert: their gradient operand is E5M2 (tensorwise's HYBRID "
+            "format), which the grouped kernel refuses (E4M3 only); fp8='rowwise' runs all three "
+            "as one grouped kernel each")
 
 
 def why_not_lowered(lin: Linear, config: Config) -> str | None:
