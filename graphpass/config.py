@@ -56,8 +56,8 @@ class Config:
     routers by default, as Megatron and torchtitan do."""
 
     fuse_quantize: bool = True
-    """With ``codegen="inductor"`` and ``fp8="tensorwise"``: after the partition, inline each
-    quantize's recipe so Inductor fuses its amax, scale and cast with the neighbouring ops (and
+    """With ``codegen="inductor"`` and ``fp8="tensorwise"`` or ``"rowwise"``: after the
+    partition, inline each quantize's recipe so Inductor fuses its amax, scale and cast with the neighbouring ops (and
     rounds as eager does, so the FP8 bits are unchanged). ``False`` keeps each quantize one
     opaque op."""
 

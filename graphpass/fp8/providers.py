@@ -4,7 +4,9 @@ A provider computes ``dequant(a) @ dequant(b).T (+ bias)`` for operands quantize
 :mod:`graphpass.fp8.recipes` (both K-major, i.e. Transformer Engine's TN layout).
 
 * ``reference``: pure torch on any device; dequantizes exactly and accumulates in fp32.
-* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise scaling.
+* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise and
+  rowwise scaling, expert GEMMs on ``torch._scaled_grouped_mm`` (sm90+; emulated on the CPU
+  under rowwise).
 * ``te``: Transformer Engine's ``general_gemm`` (see :mod:`graphpass.fp8.te`).
 """
 
@@ -87,7 +89,8 @@ class ScaledMM:
         both E4M3) is one ``torch._scaled_grouped_mm`` on CUDA; anything else is one
         ``_scaled_mm`` per group: the grouped kernel takes E4M3 operands only (tensorwise's E5M2
         gradients), and the wgrad's groups split the contraction dimension, which it needs
-        aligned to 16 tokens."""
+        aligned to 16 tokens. Rowwise: forward, dgrad and wgrad each one grouped call
+        (``rowwise_grouped_2d3d``, ``rowwise_grouped_2d2d``)."""
         if recipes.is_rowwise(recipe) and _rowwise_grouped_runs(a, bias):
             if b.dim() == 3:
                 return rowwise_grouped_2d3d(a, a_scale_inv, b, b_scale_inv, offs, out_dtype)
