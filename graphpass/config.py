@@ -57,9 +57,9 @@ class Config:
 
     fuse_quantize: bool = True
     """With ``codegen="inductor"`` and ``fp8="tensorwise"`` or ``"rowwise"``: after the
-    partition, inline each quantize's recipe so Inductor fuses its amax, scale and cast with the neighbouring ops (and
-    rounds as eager does, so the FP8 bits are unchanged). ``False`` keeps each quantize one
-    opaque op."""
+    partition, inline each quantize's recipe so Inductor fuses its amax, scale and cast with
+    the neighbouring ops (and rounds as eager does, so the FP8 bits are unchanged). ``False``
+    keeps each quantize one opaque op."""
 
     fp8_all_gather: bool = True
     """With ``fp8="tensorwise"`` under sequence parallelism: quantize each rank's shard before the
