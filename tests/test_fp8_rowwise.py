@@ -417,3 +417,35 @@ def test_rowwise_kernels_match_the_reference_on_cuda(form):
     got = _step(model, inputs, "scaled_mm")
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
+
+
+# --- coverage: rowwise lowers what tensorwise lowers ------------------------------------------------
+
+@pytest.mark.parametrize("name", ["deepseek", "mixtral"])
+def test_rowwise_lowers_every_gemm_tensorwise_lowers(name):
+    """FP8 coverage of GEMM FLOPs under rowwise equals tensorwise's on the tiny DeepSeek example
+    (MLA, bmm experts) and the tiny Hugging Face Mixtral (bf16, torch._grouped_mm experts), with
+    nothing excluded: the same linears lowered, the same FP8 FLOPs."""
+    if name == "deepseek":
+        from examples import deepseek
+
+        model, inputs = deepseek.build("tiny", seq=64)
+    else:
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=512,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=256,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=64,
+                                         experts_implementation="grouped_mm")
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16)
+        inputs = [torch.randint(0, 256, (2, 64))]
+    got = {}
+    for recipe in ("tensorwise", "rowwise"):
+        report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8=recipe, fp8_exclude=()))
+        lowered = sorted(n.split(" (")[0] for n in report.notes if n.startswith("lowered: "))
+        got[recipe] = (lowered, report.meta["fp8_coverage"]["fp8_flops"],
+                       report.meta["fp8_coverage"]["fp8_share"])
+    assert got["rowwise"] == got["tensorwise"]
+    assert any("experts" in n for n in got["rowwise"][0])
