@@ -4,7 +4,8 @@ benchmarks' ``experts`` model (``step_time.py --models experts``).
 SwiGLU experts over tokens sorted by expert, ``torch._grouped_mm`` with offsets (the form
 transformers 5.x and torchtitan write): gate/up (E, 2I, H) and down (E, H, I) weights stored as
 nn.Linear's, balanced groups. ``real``: 16 experts, DeepSeek-V3 expert shapes (H 7168, I 2048),
-8192 routed tokens; ``tiny``: 4 experts, H 256, I 128, 512 tokens.
+8192 routed tokens (512 per expert); ``real_32k``: the same over 32,768 (2,048 per expert);
+``tiny``: 4 experts, H 256, I 128, 512 tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 SIZES = {"tiny": dict(experts=4, hidden=256, inter=128, tokens=512),
-         "real": dict(experts=16, hidden=7168, inter=2048, tokens=8192)}
+         "real": dict(experts=16, hidden=7168, inter=2048, tokens=8192),
+         # what one rank of expert parallelism over 16 ranks sees: 2,048 tokens per expert
+         "real_32k": dict(experts=16, hidden=7168, inter=2048, tokens=32768)}
 
 
 class GroupedExperts(nn.Module):

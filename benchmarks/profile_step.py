@@ -25,7 +25,7 @@ import graphpass  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama", choices=["llama", "gpt", "deepseek", "experts"])
-    parser.add_argument("--fp8", default=None, choices=["tensorwise", "blockwise", "mxfp8"])
+    parser.add_argument("--fp8", default=None, choices=["tensorwise", "blockwise", "mxfp8", "rowwise"])
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--fuse-quantize", default=None, choices=["true", "false"])
     parser.add_argument("--default-backend", action="store_true",

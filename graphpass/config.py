@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 # The fields that take one of a fixed set of values are typed with these; their valid values (and
 # the CLI's flags) are read from the types: CHOICES below.
 Codegen = Literal["inductor", "eager"]
-FP8Recipe = Literal[None, "tensorwise", "blockwise", "mxfp8"]
+FP8Recipe = Literal[None, "tensorwise", "blockwise", "mxfp8", "rowwise"]
 Kernels = Literal["auto", "te", "scaled_mm", "reference"]
 SaveOriginal = Literal["auto", "always", "never"]
 Memory = Literal[None, "auto", "default"]
@@ -44,7 +44,14 @@ class Config:
     """Build a saved-tensor report after each partition (``graphpass.last_report()``)."""
 
     fp8: FP8Recipe = None
-    """FP8 recipe for linear layers: ``None`` (off), ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``."""
+    """FP8 recipe for linear layers: ``None`` (off), ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``,
+    ``"rowwise"`` (E4M3 everywhere, one fp32 scale per row of each GEMM operand: the recipe of
+    ``torch._scaled_mm``'s and ``torch._scaled_grouped_mm``'s rowwise kernels, torchao's
+    ``rowwise``)."""
+
+    fp8_pow2_scales: bool = False
+    """With ``fp8="rowwise"``: scales rounded down to powers of two (torchao's
+    ``round_scales_to_power_of_2``), so scaling and unscaling are exact."""
 
     kernels: Kernels = "auto"
     """FP8 kernel provider: ``"auto"``, ``"te"``, ``"scaled_mm"`` or ``"reference"``."""
@@ -54,10 +61,10 @@ class Config:
     routers by default, as Megatron and torchtitan do."""
 
     fuse_quantize: bool = True
-    """With ``codegen="inductor"`` and ``fp8="tensorwise"``: after the partition, inline each
-    quantize's recipe so Inductor fuses its amax, scale and cast with the neighbouring ops (and
-    rounds as eager does, so the FP8 bits are unchanged). ``False`` keeps each quantize one
-    opaque op."""
+    """With ``codegen="inductor"`` and ``fp8="tensorwise"`` or ``"rowwise"``: after the
+    partition, inline each quantize's recipe so Inductor fuses its amax, scale and cast with
+    the neighbouring ops (and rounds as eager does, so the FP8 bits are unchanged). ``False``
+    keeps each quantize one opaque op."""
 
     fp8_all_gather: bool = True
     """With ``fp8="tensorwise"`` under sequence parallelism: quantize each rank's shard before the
@@ -159,6 +166,14 @@ class Config:
         return self.memory or ("auto" if self.fp8 else "default")
 
     @property
+    def fp8_recipe(self) -> str | None:
+        """The recipe name the FP8 graph ops carry: ``fp8``, or ``"rowwise_pow2"`` for
+        ``fp8="rowwise"`` with ``fp8_pow2_scales``."""
+        if self.fp8 is None:
+            return None
+        return "rowwise_pow2" if self.fp8_pow2_scales and self.fp8 == "rowwise" else self.fp8
+
+    @property
     def offload_on_stream(self) -> bool:
         return self.offload and self.offload_stream is not False
 
@@ -172,7 +187,14 @@ class Config:
             )
         for name, valid in CHOICES.items():
             _choice(name, getattr(self, name), valid)
-        runs = {"te": (None, "tensorwise"), "scaled_mm": (None, "tensorwise", "blockwise")}
+        if self.kernels == "te" and self.fp8 == "rowwise":
+            raise ValueError(
+                "invalid graphpass options kernels='te' with fp8='rowwise': Transformer Engine has "
+                "no rowwise (per-row current) scaling recipe; use kernels='scaled_mm' "
+                "(torch._scaled_mm / torch._scaled_grouped_mm rowwise), 'auto' or 'reference'"
+            )
+        runs = {"te": (None, "tensorwise"),
+                "scaled_mm": (None, "tensorwise", "rowwise", "blockwise")}
         if self.fp8 not in runs.get(self.kernels, (self.fp8,)):
             raise ValueError(
                 f"invalid graphpass options kernels={self.kernels!r} with fp8={self.fp8!r}: that "
@@ -181,6 +203,7 @@ class Config:
             )
         _type("report", self.report, bool)
         _type("fuse_quantize", self.fuse_quantize, bool)
+        _type("fp8_pow2_scales", self.fp8_pow2_scales, bool)
         _type("fp8_all_gather", self.fp8_all_gather, bool)
         for name in ("fp8_exclude", "save_original_modules", "recompute", "recompute_include",
                      "offload_exclude"):
@@ -292,6 +315,7 @@ def _combinations(config: Config) -> None:
         ("fp8_accumulate", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_cost_model", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("fp8_pow2_scales", config.fp8 == "rowwise", "fp8='rowwise'"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
         ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),
         ("fp8_cache_format", config.fp8_cache is not None, "fp8_cache='act_input' (or another "

@@ -126,7 +126,7 @@ def test_plot_categories_come_from_kind_dtype_and_decision() -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["report", "--policy", "fp8=delayed"], "policy 'fp8=delayed': fp8: 'delayed' is not one of none, "
-                                            "tensorwise, blockwise, mxfp8"),
+                                            "tensorwise, blockwise, mxfp8, rowwise"),
     (["report", "--policy", "recipe=tensorwise"], "unknown option 'recipe'; valid options: codegen,"),
     (["report", "--policy", "fp8"], "expected space-separated key=value items"),
     (["report", "--fp8-min-gemm-flops", "lots"], "argument --fp8-min-gemm-flops: expected an integer, got 'lots'"),
@@ -170,4 +170,5 @@ def test_bad_input_is_one_line_and_exit_2_from_the_command(tmp_path: Path) -> No
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == "" and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("graphpass: error: argument --fp8: 'delayed' is not one of none, "
-                                  "tensorwise, blockwise, mxfp8 (see 'graphpass report --help')")
+                                  "tensorwise, blockwise, mxfp8, rowwise (see 'graphpass report "
+                                  "--help')")

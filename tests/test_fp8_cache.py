@@ -306,17 +306,19 @@ def test_a_tensor_the_cached_graph_saves_exact_is_not_read_lossy():
 
 
 
-def test_reuses_the_lowerings_columnwise_copy():
-    """Under fp8='tensorwise', attention's output is also o_proj's input: its columnwise FP8 copy
-    (for wgrad) is the cache, dequantized in the backward; no second quantize of it."""
+@pytest.mark.parametrize("recipe, scale_shape", [("tensorwise", ()), ("rowwise", (256, 1))])
+def test_reuses_the_lowerings_columnwise_copy(recipe, scale_shape):
+    """Under fp8='tensorwise' (or 'rowwise'), attention's output is also o_proj's input: its
+    columnwise FP8 copy (for wgrad) is the cache, dequantized in the backward; no second
+    quantize of it."""
     model, inputs = llama.build("tiny", layers=1, seq=64)
     report = graphpass.plan(model, *inputs, config=graphpass.Config(
-        fp8="tensorwise", fp8_cache="attn", fp8_cache_min_bytes=0))
+        fp8=recipe, fp8_cache="attn", fp8_cache_min_bytes=0))
     copy = [r for r in report.rows if r.decided(What.FP8_COPY) and r.decided(What.FP8_CACHED)]
     assert {(r.module, r.op, r.dtype, r.shape, r.kind) for r in copy} == {
         ("layers.0.self_attn.o_proj", "graphpass.quantize", "float8_e4m3fn", (256, 128), "fp8_data"),
-        ("layers.0.self_attn.o_proj", "graphpass.quantize", "float32", (), "fp8_scale")}
-    assert "the fp8 lowering's columnwise tensorwise copy" in copy[0].decision
+        ("layers.0.self_attn.o_proj", "graphpass.quantize", "float32", scale_shape, "fp8_scale")}
+    assert f"the fp8 lowering's columnwise {recipe} copy" in copy[0].decision
     assert not [r for r in report.rows if "scaled_dot_product" in r.op and len(r.shape) == 4]
     cached_sources = [r.copy_of for r in report.rows if r.op == "graphpass.cache_quantize"]
     assert copy[0].copy_of not in cached_sources

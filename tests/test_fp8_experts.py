@@ -8,7 +8,7 @@ import torch.nn as nn
 import graphpass
 from graphpass.fp8 import recipes
 
-RECIPES = ("tensorwise", "blockwise", "mxfp8")
+RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
 E, C, K, N = 4, 128, 256, 128  # experts, capacity (tokens per expert), in, out
 
 
@@ -223,16 +223,22 @@ def test_grouped_quantize_scales_per_group(recipe):
         if end == start:
             if recipe == "tensorwise":
                 assert scale[g] == 1.0
+            if recipe == "rowwise":  # one scale per column of x and group: (G, K)
+                assert (scale[g] == 1.0).all()
             continue
         xg = torch.nn.functional.pad(x[start:end], (0, 0, 0, -(end - start) % 32)) if recipe == "mxfp8" else x[start:end]
         ref_data, ref_scale = recipes.quantize(xg, recipe, "input", columnwise=True)
         assert torch.equal(data[:, start:end].view(torch.uint8), ref_data[:, :end - start].view(torch.uint8))
         if recipe == "tensorwise":
             assert torch.equal(scale[g], ref_scale)
+        elif recipe == "rowwise":
+            assert torch.equal(scale[g], ref_scale[:, 0])
         else:
             cols.append(ref_scale)
         start = end
-    if recipe != "tensorwise":
+    if recipe == "rowwise":
+        assert scale.shape == (E, K)
+    elif recipe != "tensorwise":
         block = 128 if recipe == "blockwise" else 32
         used = torch.cat(cols, dim=1)
         assert scale.shape == (K, -(-T // block) + E)
@@ -544,10 +550,12 @@ def _saved_rows(report):
 
 # The dispatched tokens' columnwise copy: 128 tokens x top-2 = 256 rows of K=256, FP8 (K, 256),
 # and its scales: one per expert (tensorwise), 1x128 blocks restarting per group,
-# (K, 256/128 + 4) fp32 (blockwise), 1x32 blocks, (K, 256/32 + 4) E8M0 bytes (mxfp8).
+# (K, 256/128 + 4) fp32 (blockwise), 1x32 blocks, (K, 256/32 + 4) E8M0 bytes (mxfp8), one fp32
+# scale per column and expert, (E, K) (rowwise).
 DISPATCHED_SCALES = {"tensorwise": ("float32", (E,), 4 * E),
                      "blockwise": ("float32", (K, 2 + E), 4 * K * (2 + E)),
-                     "mxfp8": ("uint8", (K, 8 + E), K * (8 + E))}
+                     "mxfp8": ("uint8", (K, 8 + E), K * (8 + E)),
+                     "rowwise": ("float32", (E, K), 4 * E * K)}  # per column of x and expert
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

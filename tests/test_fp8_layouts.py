@@ -7,7 +7,7 @@ import torch.nn as nn
 import graphpass
 from graphpass.fp8 import recipes
 
-RECIPES = ("tensorwise", "blockwise", "mxfp8")
+RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
 
 
 class Conv1D(nn.Module):
@@ -74,7 +74,7 @@ def test_stored_in_out_linear_saves_what_nn_linear_saves(recipe):
     saved = lambda mod: [(r.kind, r.shape, r.dtype, r.bytes)  # noqa: E731
                          for r in graphpass.plan(mod, x, config=cfg).rows if r.kind != "parameter"]
     scale = {"tensorwise": ((), "float32", 4), "blockwise": ((256, 1), "float32", 1024),
-             "mxfp8": ((256, 4), "uint8", 1024)}[recipe]
+             "mxfp8": ((256, 4), "uint8", 1024), "rowwise": ((256, 1), "float32", 1024)}[recipe]
     expected = [("fp8_data", (256, 128), "float8_e4m3fn", 256 * 128), ("fp8_scale", *scale)]
     assert saved(Conv1D(256, 128)) == expected
     assert saved(nn.Linear(256, 128)) == expected
@@ -106,7 +106,8 @@ def test_stored_in_out_linear_under_autocast(recipe):
     assert rel(got[2], ref[2]) < 0.16
 
 
-def test_tied_weight_wgrad_is_lowered():
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tied_weight_wgrad_is_lowered(recipe):
     """An output projection tied to the embedding: its wgrad is one term of the weight's summed
     gradient, found and lowered, so no high-precision GEMM is left."""
     class Tied(nn.Module):
@@ -120,8 +121,8 @@ def test_tied_weight_wgrad_is_lowered():
             return self.out(self.emb(ids))
 
     ids = torch.randint(0, 128, (2, 64))
-    report = graphpass.plan(Tied(), ids, config=graphpass.Config(fp8="tensorwise", fp8_exclude=()))
-    assert _lowering(report.notes) == ["lowered: out (reference/tensorwise)"]
+    report = graphpass.plan(Tied(), ids, config=graphpass.Config(fp8=recipe, fp8_exclude=()))
+    assert _lowering(report.notes) == [f"lowered: out (reference/{recipe})"]
     cov, flops = report.meta["fp8_coverage"], 2 * 128 * 64 * 128
     assert cov["fp8_share"] == 1.0
     assert cov["fp8_flops"] == {"forward": flops, "dgrad": flops, "wgrad": flops}

@@ -13,7 +13,7 @@ from graphpass import _compat
 from graphpass.fp8 import providers, recipes
 from examples import deepseek, gpt, llama
 
-RECIPES = ("tensorwise", "blockwise", "mxfp8")
+RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
 # Relative error (Frobenius) of FP8 vs fp32 on N(0, 1) data with K = 256: E4M3 keeps 3
 # mantissa bits (2^-4 relative step), E5M2 for gradients 2 (2^-3). Blockwise and mxfp8 scale
 # per block, so they do no worse than tensorwise; the gradients carry E5M2 error (tensorwise)
@@ -466,6 +466,7 @@ def test_which_quantizes_are_inlined_and_the_notes_that_say_so(monkeypatch):
 
     assert inlinable("tensorwise")
     assert not inlinable("blockwise") and not inlinable("mxfp8")
+    assert inlinable("rowwise") and inlinable("rowwise_pow2")
     monkeypatch.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: True)
     assert fusion_notes(device_types={"cpu"}) == []
     assert fusion_notes(device_types={"cuda"}) == []  # gradients fused on CUDA too

@@ -109,7 +109,7 @@ def test_block_shapes():
 
 
 def test_requires_divisibility():
-    assert [requires_divisibility(n) for n in RECIPE_NAMES] == [16, 128, 32]
+    assert [requires_divisibility(n) for n in RECIPE_NAMES] == [16, 128, 32, 16]
     assert requires_divisibility(MXFP8) == 32
 
 
@@ -555,9 +555,9 @@ def test_qdq_keeps_dtype_and_orientation():
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_meta_and_fake_tensors(name, role, columnwise):
     m, k = (96, 224) if name == "mxfp8" else (100, 200)
-    block = block_shape(name, role)
+    block = (1, None) if name == "rowwise" else block_shape(name, role)
     r, c = (k, m) if columnwise else (m, k)
-    expected_scale = () if block is None else (-(-r // block[0]), -(-c // block[1]))
+    expected_scale = () if block is None else (-(-r // block[0]), -(-c // (block[1] or c)))
     x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
     data, scale_inv = quantize(x, name, role, columnwise=columnwise)
     assert data.shape == (r, c) and data.dtype == fp8_dtype(name, role)

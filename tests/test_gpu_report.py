@@ -73,3 +73,40 @@ def test_without_cuda_the_gpu_run_names_the_dry_run():
     gpu_report = _load()
     with pytest.raises(SystemExit, match="--dry-run"):
         gpu_report.mode_for(False, None)
+
+
+def _load_experts():
+    spec = importlib.util.spec_from_file_location("experts_fp8", ROOT / "benchmarks" / "experts_fp8.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["experts_fp8"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_experts_benchmark_dry_run(tmp_path):
+    """benchmarks/experts_fp8.py on the CPU: bf16, FP8 rowwise and tensorwise rows with numbers,
+    a profile of the FP8 steps (one FP8 GEMM op per GEMM role: 6 for the two expert linears,
+    rowwise and tensorwise alike; tensorwise's per-expert _scaled_mm calls on top), every target
+    listed and none judged."""
+    experts = _load_experts()
+    out = tmp_path / "experts.md"
+    assert experts.main(["--dry-run", "--cases", "experts_8k", "--steps", "1",
+                         "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "NOT GPU numbers" in text
+    rows = {tuple(c.strip() for c in m.group(0).strip("|").split("|")[:2]): m.group(0)
+            for m in re.finditer(r"^\| experts.*$", text, re.M)}
+    for config in ("bf16", "FP8 rowwise/scaled_mm", "FP8 tensorwise/scaled_mm"):
+        cells = [c.strip() for c in rows[("experts, 8,192 tokens", config)].strip("|").split("|")]
+        assert re.fullmatch(r"\d+\.\d\d", cells[2]), cells
+        assert "failed" not in cells[-1], cells
+    rowwise = [c.strip() for c in rows[("experts, 8,192 tokens", "FP8 rowwise/scaled_mm")]
+               .strip("|").split("|")]
+    assert rowwise[6] == "6"  # GEMM ops per step: no per-group _scaled_mm
+    tensorwise = [c.strip() for c in rows[("experts, 8,192 tokens", "FP8 tensorwise/scaled_mm")]
+                  .strip("|").split("|")]
+    assert float(tensorwise[6]) > 6
+    targets = text.split("## Targets", 1)[1]
+    assert "experts, 8,192 tokens: FP8 rowwise >= 1.0x bf16: not judged" in targets
+    assert "no per-expert loop" in targets
+    assert "PASS" not in targets and "FAIL" not in targets

@@ -131,8 +131,9 @@ POLICIES = [dict(save_original="auto", memory="default"), dict(save_original="al
 # tests/test_fp8_experts.py::test_memory_passes_on_fp8_experts_are_bit_identical, per recipe, at
 # seq=128 (the capacity blockwise needs): the same assertions, so they are not repeated here.
 @pytest.mark.parametrize("module,fp8", [(llama, None), (llama, "tensorwise"), (llama, "mxfp8"),
-                                        (deepseek, None)],
-                         ids=["llama-None", "llama-tensorwise", "llama-mxfp8", "deepseek-None"])
+                                        (llama, "rowwise"), (deepseek, None)],
+                         ids=["llama-None", "llama-tensorwise", "llama-mxfp8", "llama-rowwise",
+                              "deepseek-None"])
 def test_passes_are_bit_identical(module, fp8):
     base, _ = _compiled_grads(module, dict(fp8=fp8, **UNOPTIMISED), seq=64, layers=1)
     for policy in POLICIES:

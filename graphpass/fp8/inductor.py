@@ -8,7 +8,10 @@ before Inductor's own pattern passes) lets Inductor fuse the amax reduction, the
 saturating cast, and the transpose of a columnwise copy, with the ops around them, as it does
 for torchao's float8.
 
-Only the tensorwise recipe is inlined; block recipes' quantizes stay one op.
+The tensorwise and rowwise recipes are inlined: they are the ones the TE and ``torch._scaled_mm``
+/ ``torch._scaled_grouped_mm`` GEMMs take. A rowwise scale is local to its row (one reduction
+along it), and its grouped quantizes (offsets) are device ops without a host sync, so they are
+inlined too. Block recipes' quantizes stay one op.
 
 Numerics. Fusing is a speed decision, held to a bound, not to the opaque op's bits: each
 dequantized FP8 value of a fused quantize is within one FP8 ulp of the opaque op's (the bound the
@@ -37,12 +40,13 @@ from .. import _compat
 from ..decisions import Decision, What
 from . import ops, recipes
 
-INLINED_RECIPES = ("tensorwise",)
+INLINED_RECIPES = ("tensorwise", "rowwise")
 
 
 def inlinable(recipe: str) -> bool:
-    """Whether a quantize is inlined: every tensorwise one, on every device and in every role."""
-    return recipe in INLINED_RECIPES
+    """Whether a quantize is inlined: every tensorwise and rowwise one, on every device and in
+    every role."""
+    return recipes.get_recipe(recipe).name in INLINED_RECIPES
 
 
 def fusion_notes(*, device_types: set[str]) -> list[Decision]:
@@ -73,6 +77,19 @@ def _patterns() -> Any:
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
         match.replace_by_example(lambda x: fused_quantize(x, recipe, role, usage), [x])
 
+    @pm.register_graph_pattern(
+        pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
+                        pm.KeywordArg("role"), pm.KeywordArg("usage"), pm.KeywordArg("offs")),
+        # rowwise over token groups: per-row or per-(group, column) scales, no host sync
+        extra_check=lambda match: recipes.is_rowwise(match.kwargs["recipe"]) and inlinable(
+            match.kwargs["recipe"]),
+        pass_dict=patterns,
+    )
+    def _inline_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
+                       offs: fx.Node) -> None:
+        match.replace_by_example(lambda x, offs: ops._quantize(x, recipe, role, usage, offs),
+                                 [x, offs])
+
     return patterns
 
 
@@ -85,8 +102,9 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
     own dtype (abs and max are exact, so the fp32 of that max is the fp32 amax), and each copy
     casts ``x`` to fp32 on its own, inside its cast loop; a ``both`` quantize shares one amax and
     one scale (the columnwise copy is the rowwise one transposed, bit for bit)."""
-    if x.dim() != 2 or recipes.block_shape(recipe, role) is not None:
-        return ops._quantize(x, recipe, role, usage)
+    if (x.dim() != 2 or recipes.is_rowwise(recipe)
+            or recipes.block_shape(recipe, role) is not None):
+        return ops._quantize(x, recipe, role, usage)  # the recipe as the op runs it
     amax = recipes._abs_amax(x, (0, 1)).to(torch.float32) if recipes._maybe_nonempty(x) else (
         x.new_zeros((), dtype=torch.float32))
     scale = recipes.tensorwise_scale(amax, recipe, role)

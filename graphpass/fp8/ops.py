@@ -40,6 +40,8 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str,
     if x.dim() == 3:
         # A group of matrices (one per MoE expert): each quantized on its own, so every scale,
         # tensorwise ones included, belongs to one expert (as in TE's GroupedLinear).
+        if recipes.is_rowwise(recipe):
+            return _quantize_experts_rowwise(x, recipe, role, usage)
         if recipes.block_shape(recipe, role) is None:
             return _quantize_experts_tensorwise(x, recipe, role, usage)
         per_group = [_quantize(g, recipe, role, usage) for g in x.unbind(0)]
@@ -54,7 +56,10 @@ def group_blocks(recipe: str, role: str, columnwise: bool) -> int | None:
     """The token block of a grouped (``offs``) quantize's scales: None where a scale never spans
     tokens of two groups by construction (blocks along K, rowwise), else the block length along
     the tokens (columnwise 1x128 blockwise, 1x32 mxfp8); 0 for one scale per group
-    (tensorwise)."""
+    (tensorwise). Rowwise: None rowwise (a row is one token), -1 columnwise (one scale per
+    column and group: ``_quantize_groups_rowwise``)."""
+    if recipes.is_rowwise(recipe):
+        return -1 if columnwise else None
     block = recipes.block_shape(recipe, role)
     if block is None:
         return 0
@@ -98,6 +103,8 @@ def _quantize_groups(x: Tensor, recipe: str, role: str, columnwise: bool,
         return [data[:t], scale[:t]]
     if block == 0:
         return _quantize_groups_tensorwise(x, recipe, role, columnwise, offs)
+    if block == -1:
+        return _quantize_groups_rowwise(x, recipe, role, offs)
     data = torch.zeros((k, t) if columnwise else (t, k), dtype=dtype, device=x.device)
     fill = 127 if recipe == "mxfp8" else 1
     scale = torch.full((k, grouped_scale_blocks(t, offs.shape[0], block)), fill, device=x.device,
@@ -155,17 +162,62 @@ def _quantize_groups_tensorwise(x: Tensor, recipe: str, role: str, columnwise: b
     return [(data.t() if columnwise else data).contiguous(), torch.reciprocal(scale)]
 
 
+def _quantize_experts_rowwise(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
+    """Rowwise (G, N, K) expert weights in one pass over all experts: every row is scaled on its
+    own, so this is bit-identical to each expert quantized alone. Scales (G, R, 1)."""
+    x32 = x.to(torch.float32)
+    out: list[Tensor] = []
+    for columnwise in _COLUMNWISE[usage]:
+        out += recipes.rowwise_quantize(x32.transpose(-2, -1) if columnwise else x32, recipe, role)
+    return out
+
+
+def _group_of_rows(offs: Tensor, t: int) -> Tensor:
+    """Each of ``t`` rows' token group from ``offs`` (int64, ``len(offs)`` past the last group),
+    on the device: no host sync."""
+    return torch.searchsorted(offs, torch.arange(t, device=offs.device, dtype=offs.dtype),
+                              right=True).long()
+
+
+def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) -> list[Tensor]:
+    """The columnwise rowwise copy of token-grouped (T, K) ``x`` (the wgrad operand): data (K, T),
+    each of x's columns scaled per token group, scales (G, K) fp32: group g's K scales
+    contiguous, the (G * K) layout ``torch._scaled_grouped_mm``'s 2d x 2d form reads. One pass,
+    no loop over groups, no host sync: the groups' column amaxes are one scatter-max of the rows
+    (max is exact, so bit-identical to each group quantized alone). Rows past ``offs[-1]`` are 0;
+    an empty group's scales are 1."""
+    t, k = x.shape
+    groups = offs.shape[0]
+    x32 = x.to(torch.float32)
+    group = _group_of_rows(offs, t)
+    a = x32.abs()
+    a = torch.where(torch.isnan(a), 0.0, a)
+    amax = x32.new_zeros((groups + 1, k)).scatter_reduce(0, group[:, None].expand(t, k), a,
+                                                         "amax")[:groups]
+    scale = recipes.compute_scale_from_amax(
+        amax, recipes.fp8_max(recipes.fp8_dtype(recipe, role)),
+        power_2_scales=recipes.get_recipe(recipe).power_2_scales,
+        amax_epsilon=recipes.get_recipe(recipe).amax_epsilon)
+    row_scale = torch.cat([scale, scale.new_ones((1, k))])[group]
+    inside = (group < groups)[:, None]
+    data = recipes.scaled_cast(torch.where(inside, x32, 0.0), row_scale, recipe, role)
+    return [data.t().contiguous(), torch.reciprocal(scale)]
+
+
 def _quantize_groups_fake(x: Tensor, recipe: str, role: str, columnwise: bool,
                           offs: Tensor) -> list[Tensor]:
     block = group_blocks(recipe, role, columnwise)
     t, k = x.shape
     if block is None:
+        per_row = 1 if recipes.is_rowwise(recipe) else -(-k // recipes.block_shape(recipe, role)[1])
         return [x.new_empty((t, k), dtype=recipes.fp8_dtype(recipe, role)),
-                x.new_empty((t, -(-k // recipes.block_shape(recipe, role)[1])),
+                x.new_empty((t, per_row),
                             dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)]
     data = x.new_empty((k, t) if columnwise else (t, k), dtype=recipes.fp8_dtype(recipe, role))
     if block == 0:
         return [data, x.new_empty((offs.shape[0],), dtype=torch.float32)]
+    if block == -1:
+        return [data, x.new_empty((offs.shape[0], k), dtype=torch.float32)]
     return [data, x.new_empty((k, grouped_scale_blocks(t, offs.shape[0], block)),
                               dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)]
 

@@ -4,8 +4,10 @@ A provider computes ``dequant(a) @ dequant(b).T (+ bias)`` for operands quantize
 :mod:`graphpass.fp8.recipes` (both K-major, i.e. Transformer Engine's TN layout).
 
 * ``reference``: pure torch on any device; dequantizes exactly and accumulates in fp32.
-* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise scaling,
-  and blockwise on Hopper through torch's cuBLASLt blockwise GEMM (:mod:`graphpass.fp8.blockwise_gemm`).
+* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise and
+  rowwise scaling, expert GEMMs on ``torch._scaled_grouped_mm`` (sm90+; emulated on the CPU
+  under rowwise), and blockwise on Hopper through torch's cuBLASLt blockwise GEMM
+  (:mod:`graphpass.fp8.blockwise_gemm`).
 * ``te``: Transformer Engine's ``general_gemm`` (see :mod:`graphpass.fp8.te`).
 
 Accumulation (``Config.fp8_accumulate``): each GEMM gets ``fast_accum``, True for the forward GEMM
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from .. import _compat
 from . import blockwise_gemm, recipes
-from .cublaslt import own_scalar, pad_contraction, pad_last
+from .cublaslt import check_scaled_grouped_mm, own_scalar, pad_contraction, pad_last
 
 NAMES = ("te", "scaled_mm", "reference")
 
@@ -79,8 +81,9 @@ class ScaledMM:
     def supports(self, recipe: str, device: torch.device) -> str | None:
         if recipe == blockwise_gemm.RECIPE:
             return blockwise_gemm.unsupported(device)
-        if recipe != "tensorwise":
-            return f"torch._scaled_mm runs fp8='tensorwise' or 'blockwise' here, not {recipe!r}"
+        if recipe != "tensorwise" and not recipes.is_rowwise(recipe):
+            return (f"torch._scaled_mm runs fp8='tensorwise', 'rowwise' or 'blockwise' here, "
+                    f"not {recipe!r}")
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             return "torch._scaled_mm needs a CUDA device of compute capability 8.9 or newer"
         if device.type not in ("cuda", "cpu"):
@@ -95,6 +98,9 @@ class ScaledMM:
         # cuBLASLt on Hopper is TN-only: mat2 must be column-major, which b.t() of a row-major
         # (N, K) tensor is. Bias must be bf16/fp16 and is refused with an fp32 output, so add it
         # afterwards in those cases. Its operand rules: fp8/cublaslt.py.
+        if recipes.is_rowwise(recipe):
+            return _scaled_mm_rowwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias,
+                                      fast_accum=fast_accum)
         fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
         a, b = pad_contraction(a, b)
         out = _compat.scaled_mm(
@@ -112,7 +118,14 @@ class ScaledMM:
         both E4M3) is one ``torch._scaled_grouped_mm`` on CUDA; anything else is one
         ``_scaled_mm`` per group: the grouped kernel takes E4M3 operands only (tensorwise's E5M2
         gradients), and the wgrad's groups split the contraction dimension, which it needs
-        aligned to 16 tokens."""
+        aligned to 16 tokens. Rowwise: forward, dgrad and wgrad each one grouped call
+        (``rowwise_grouped_2d3d``, ``rowwise_grouped_2d2d``)."""
+        if recipes.is_rowwise(recipe) and _rowwise_grouped_runs(a, bias):
+            if b.dim() == 3:
+                return rowwise_grouped_2d3d(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
+                                            fast_accum=fast_accum)
+            return rowwise_grouped_2d2d(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
+                                        fast_accum=fast_accum)
         if b.dim() == 3 and _grouped_kernel_runs(a, b, bias):
             return scaled_grouped_forward(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
                                           fast_accum=fast_accum)
@@ -122,12 +135,169 @@ class ScaledMM:
     def batched_gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
                      bias, *, fast_accum=False):
         """3-D operands (``fp8_gemm`` of ``bmm`` experts): the forward as one
-        ``torch._scaled_grouped_mm`` where it runs, else one ``_scaled_mm`` per expert."""
+        ``torch._scaled_grouped_mm`` where it runs, else one ``_scaled_mm`` per expert. Rowwise:
+        forward, dgrad and wgrad alike as one ``torch._scaled_grouped_mm`` (3d x 3d)."""
+        if recipes.is_rowwise(recipe) and _rowwise_grouped_runs(a, bias):
+            return rowwise_batched(a, a_scale_inv, b, b_scale_inv, out_dtype,
+                                   fast_accum=fast_accum)
         if a.shape[-1] % 16 == 0 and b.shape[1] % 16 == 0 and _grouped_kernel_runs(a, b, bias):
             return _scaled_batched_forward(a, a_scale_inv, b, b_scale_inv, out_dtype,
                                            fast_accum=fast_accum)
         return batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
                             bias, _PerGroup(self), fast_accum=fast_accum)
+
+
+# --- rowwise: torch._scaled_mm and torch._scaled_grouped_mm with one fp32 scale per row -------
+#
+# Operand rules (torch 2.13's checks in aten/src/ATen/native/cuda/Blas.cpp and its meta
+# registrations, enforced on the CPU by fp8/cublaslt.py): E4M3 operands, a row-major and b
+# column-major, contraction and b's other dimension multiples of 16, fp32 scales, bf16 output.
+# _scaled_mm: scale_a (M, 1), scale_b (1, N), both contiguous. _scaled_grouped_mm: 2d x 3d
+# scale_a (T,), scale_b (G, N); 3d x 3d (G, M) and (G, N); 2d x 2d (G * M,) and (G * N,), group g's
+# scales contiguous. The kernels write bf16 only: another out_dtype is the bf16 result cast.
+
+
+def _scaled_mm_rowwise(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+                       out_dtype: torch.dtype, bias: Optional[Tensor], *,
+                       fast_accum: bool = False) -> Tensor:
+    """One rowwise ``torch._scaled_mm``: a (M, K) with scales (M, 1), b (N, K) with (N, 1)."""
+    a, b = pad_contraction(a, b)
+    fused_bias = bias is not None and bias.dtype == torch.bfloat16
+    out = _compat.scaled_mm(a, b.t(), scale_a=own_rows(a_scale_inv, (-1, 1)),
+                            scale_b=own_rows(b_scale_inv, (1, -1)),
+                            bias=bias if fused_bias else None, out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+    out = out.to(out_dtype)
+    if bias is not None and not fused_bias:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def own_rows(scale: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """fp32 per-row scales in ``shape``, contiguous and at the start of their own allocation."""
+    s = scale.float().reshape(shape).contiguous()
+    return s.clone() if s.storage_offset() else s
+
+
+def _rowwise_grouped_runs(a: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether rowwise grouped GEMMs run as one ``torch._scaled_grouped_mm``: on CUDA where the
+    kernel exists (sm90+), and on the CPU through its emulation (fp8/cublaslt.py, which checks
+    the kernel's operand rules); no bias (the kernel takes none)."""
+    if bias is not None:
+        return False
+    if a.device.type == "cpu":
+        return True
+    return (a.device.type == "cuda" and _compat.has_scaled_grouped_mm()
+            and torch.cuda.get_device_capability(a.device) >= (9, 0))
+
+
+def grouped_mm_call(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
+                    offs: Optional[Tensor], *, fast_accum: bool = False) -> Tensor:
+    """One rowwise ``torch._scaled_grouped_mm`` (bf16 out); on the CPU its emulation."""
+    if a.device.type == "cpu":
+        return scaled_grouped_mm_emulated(a, b, scale_a, scale_b, offs)
+    return _compat.scaled_grouped_mm(a, b, scale_a=scale_a, scale_b=scale_b, offs=offs,
+                                     out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+
+
+def rowwise_grouped_2d3d(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+                         offs: Tensor, out_dtype: torch.dtype, *,
+                         fast_accum: bool = False) -> Tensor:
+    """Forward or dgrad over token groups: a (T, K) rowwise (scales (T, 1)) times expert b
+    (G, N, K) rowwise (scales (G, N, 1)), one grouped call; rows past ``offs[-1]``, which the
+    kernel leaves unwritten, are 0."""
+    t, groups, n = a.shape[0], b.shape[0], b.shape[1]
+    out = grouped_mm_call(a, b.transpose(-2, -1), own_rows(a_scale_inv, (t,)),
+                          own_rows(b_scale_inv, (groups, n)), offs, fast_accum=fast_accum)
+    inside = (_group_of_rows(offs, t) < groups)[:, None]
+    return torch.where(inside, out, out.new_zeros(())).to(out_dtype)
+
+
+def _group_of_rows(offs: Tensor, t: int) -> Tensor:
+    return torch.searchsorted(offs, torch.arange(t, device=offs.device, dtype=offs.dtype),
+                              right=True)
+
+
+def rowwise_grouped_2d2d(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+                         offs: Tensor, out_dtype: torch.dtype, *,
+                         fast_accum: bool = False) -> Tensor:
+    """Wgrad over token groups: a (M, T) and b (N, T), both columnwise copies with per-group
+    scales (G, M) and (G, N); out (G, M, N), group g's tokens contracted. The kernel needs each
+    group to start at a multiple of 16 tokens (the contraction's alignment), so the tokens are
+    moved to 16-aligned group starts by one scatter per operand, on the device (the padding
+    columns are zero FP8 bytes, which add nothing): no per-group copy, no host sync. An empty
+    group's output is 0."""
+    t = a.shape[1]
+    positions, padded_offs, padded = aligned_token_positions(offs, t)
+    a_p, b_p = (_scatter_tokens(x, positions, padded) for x in (a, b))
+    out = grouped_mm_call(a_p, b_p.t(), own_rows(a_scale_inv, (-1,)),
+                          own_rows(b_scale_inv, (-1,)), padded_offs, fast_accum=fast_accum)
+    return out.to(out_dtype)
+
+
+def aligned_token_positions(offs: Tensor, t: int, align: int = 16) -> tuple[Tensor, Tensor, int]:
+    """Where each of ``t`` tokens goes when every group starts at a multiple of ``align``:
+    (positions (T,) int64, the padded groups' ends as int32 offsets, the padded length: a static
+    bound, ``ceil(T / align) * align + align * G``). Tokens past ``offs[-1]`` go after the last
+    group."""
+    groups = offs.shape[0]
+    ends = offs.long()
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_sizes = (sizes + align - 1) // align * align
+    padded_ends = torch.cumsum(padded_sizes, 0)
+    base = torch.cat([padded_ends - padded_sizes, padded_ends[-1:]])  # where each group starts
+    first = torch.cat([ends - sizes, ends[-1:]])  # ... and started (past the end: offs[-1])
+    group = _group_of_rows(offs, t).long()
+    positions = base[group] + torch.arange(t, device=offs.device) - first[group]
+    padded = -(-t // align) * align + align * groups
+    return positions, padded_ends.to(torch.int32), padded
+
+
+def _scatter_tokens(x: Tensor, positions: Tensor, padded: int) -> Tensor:
+    """(R, T) FP8 ``x`` with its columns moved to ``positions`` in an (R, padded) zero tensor."""
+    out = x.new_zeros((x.shape[0], padded), dtype=torch.uint8)
+    out.index_copy_(1, positions, x.view(torch.uint8))
+    return out.view(x.dtype)
+
+
+def rowwise_batched(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+                    out_dtype: torch.dtype, *, fast_accum: bool = False) -> Tensor:
+    """bmm experts' forward, dgrad or wgrad: a (G, M, K) and b (G, N, K), rowwise scales (G, M, 1)
+    and (G, N, 1), as one 3d x 3d ``torch._scaled_grouped_mm`` (no offsets); a contraction that
+    is not a multiple of 16 (a wgrad over an expert's capacity) is zero-padded, exactly."""
+    a, b = pad_contraction(a, b)
+    groups, m, n = a.shape[0], a.shape[1], b.shape[1]
+    out = grouped_mm_call(a, b.transpose(-2, -1), own_rows(a_scale_inv, (groups, m)),
+                          own_rows(b_scale_inv, (groups, n)), None, fast_accum=fast_accum)
+    return out.to(out_dtype)
+
+
+def scaled_grouped_mm_emulated(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
+                               offs: Optional[Tensor]) -> Tensor:
+    """``torch._scaled_grouped_mm`` (rowwise scales, bf16 out) on the CPU, which has no kernel
+    for it: the CUDA kernel's operand rules checked first (``cublaslt.check_scaled_grouped_mm``),
+    then each group's ``(a * scale_a) @ (b * scale_b)`` in fp32, rounded once to bf16: the
+    reference provider's arithmetic. Rows of a 2d x 3d output past ``offs[-1]`` are 0."""
+    check_scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+    a32, b32 = a.float(), b.float()
+    if offs is None:  # 3d x 3d
+        out = (a32 * scale_a[:, :, None]) @ (b32 * scale_b[:, None, :])
+        return out.to(torch.bfloat16)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:  # 2d x 3d
+        out = a.new_zeros((a.shape[0], b.shape[-1]), dtype=torch.bfloat16)
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            if e > s:
+                out[s:e] = ((a32[s:e] * scale_a[s:e, None]) @ (b32[g] * scale_b[g])).to(out.dtype)
+        return out
+    m, n, groups = a.shape[0], b.shape[1], len(ends)  # 2d x 2d
+    sa, sb = scale_a.reshape(groups, m), scale_b.reshape(groups, n)
+    out = a.new_zeros((groups, m, n), dtype=torch.bfloat16)
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        if e > s:
+            out[g] = ((a32[:, s:e] * sa[g, :, None]) @ (b32[s:e] * sb[g])).to(out.dtype)
+    return out
 
 
 def _grouped_kernel_runs(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
@@ -237,7 +407,8 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, o
         out = a.new_zeros((a.shape[0], b.shape[-2]), dtype=out_dtype)
     jobs = []
     start, col = 0, 0
-    shape = recipes.block_shape(recipe, a_role)  # wgrad's blocks run along the tokens
+    rowwise = recipes.is_rowwise(recipe)
+    shape = None if rowwise else recipes.block_shape(recipe, a_role)  # wgrad's blocks: tokens
     block = shape[1] if shape and split_k else 0
     for g, end in enumerate(offs.tolist()):
         n = end - start
@@ -252,6 +423,8 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, o
                 col += blocks
                 if n % block:
                     ag, bg = (pad_last(t, -n % block) for t in (ag, bg))
+            elif rowwise:  # group g's scale per row of each operand: (G, M) and (G, N)
+                sa, sb = a_scale_inv[g][:, None], b_scale_inv[g][:, None]
             else:
                 sa, sb = a_scale_inv[g], b_scale_inv[g]
             jobs.append(Job(ag.contiguous(), sa, bg.contiguous(), sb, out[g]))

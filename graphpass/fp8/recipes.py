@@ -11,6 +11,13 @@ Recipes (``get_recipe(name)``):
 * ``"blockwise"``: TE ``Float8BlockScaling`` (DeepSeek-V3). fp32 scales per 1x128 block for
   activations and gradients, per 128x128 tile for weights; power-of-2 scales by default.
 * ``"mxfp8"``: TE ``MXFP8BlockScaling``. One E8M0 (power-of-2) scale per 1x32 block.
+* ``"rowwise"``: torchao's rowwise recipe (``Float8LinearRecipeName.ROWWISE``), the one
+  ``torch._scaled_mm``'s and ``torch._scaled_grouped_mm``'s rowwise kernels take: E4M3 for every
+  role, one fp32 scale per row of each GEMM operand along its contraction (a whole row of the
+  quantized data: scale shape (R, 1)). ``"rowwise_pow2"`` is the same with scales rounded down to
+  powers of two (torchao's ``round_scales_to_power_of_2``; ``Config(fp8_pow2_scales=True)``).
+  Scales follow ``compute_scale_from_amax`` as for the TE recipes (an all-zero row gets scale 1;
+  torchao floors the amax at 1e-12 instead, which differs only for such rows).
 
 A tensor is quantized in a *role*: ``"input"`` (activation), ``"weight"`` or ``"grad"`` (gradient
 of the output). The role picks the fp8 dtype (HYBRID: E5M2 for ``"grad"``, else E4M3) and, for
@@ -37,7 +44,8 @@ Scale shapes are logical, i.e. without TE's padding or GEMM swizzle, for data of
 * blockwise 1x128: fp32 (R, ceil(C/128)); blockwise 128x128: fp32 (ceil(R/128), ceil(C/128));
   a partial last block is padded with zeros, so it gets the amax of its own valid elements;
 * mxfp8: uint8 E8M0 biased exponents (R, C/32), value ``2**(e - 127)``; R and C must both be
-  multiples of 32 (TE ``MXFP8Quantizer.is_quantizable``), otherwise ValueError.
+  multiples of 32 (TE ``MXFP8Quantizer.is_quantizable``), otherwise ValueError;
+* rowwise: fp32 (R, 1), one scale per row of the data (columnwise: per column of x).
 
 Special values, as TE's kernels do it:
 
@@ -74,6 +82,9 @@ __all__ = [
     "TENSORWISE",
     "BLOCKWISE",
     "MXFP8",
+    "ROWWISE",
+    "ROWWISE_POW2",
+    "is_rowwise",
     "fp8_max",
     "get_recipe",
     "fp8_dtype",
@@ -93,7 +104,7 @@ E5M2 = torch.float8_e5m2
 
 Role = Literal["input", "weight", "grad"]
 ROLES: tuple[str, ...] = ("input", "weight", "grad")
-RECIPE_NAMES: tuple[str, ...] = ("tensorwise", "blockwise", "mxfp8")
+RECIPE_NAMES: tuple[str, ...] = ("tensorwise", "blockwise", "mxfp8", "rowwise")
 _FORMATS = ("E4M3", "HYBRID")  # TE asserts "Pure E5M2 training is not supported."
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # TE's quantizer input types
 _FLT_MAX = torch.finfo(torch.float32).max
@@ -139,12 +150,20 @@ class Recipe:
                 "mxfp8 scales are E8M0 powers of two with no amax epsilon: "
                 "use power_2_scales=True, amax_epsilon=0.0"
             )
+        if self.name == "rowwise" and self.fp8_format != "E4M3":
+            raise ValueError("rowwise scaling is E4M3 for every role (the rowwise FP8 GEMMs take "
+                             "E4M3 operands only): use fp8_format='E4M3'")
 
 
 TENSORWISE = Recipe("tensorwise", "HYBRID", power_2_scales=False)
 BLOCKWISE = Recipe("blockwise", "E4M3", power_2_scales=True)
 MXFP8 = Recipe("mxfp8", "E4M3", power_2_scales=True)
-_DEFAULTS = {r.name: r for r in (TENSORWISE, BLOCKWISE, MXFP8)}
+ROWWISE = Recipe("rowwise", "E4M3", power_2_scales=False)
+ROWWISE_POW2 = Recipe("rowwise", "E4M3", power_2_scales=True)
+_DEFAULTS = {r.name: r for r in (TENSORWISE, BLOCKWISE, MXFP8, ROWWISE)}
+# Recipe names as graph ops carry them (a string argument): the rowwise variant with power-of-two
+# scales has its own.
+_KEYS = {**_DEFAULTS, "rowwise_pow2": ROWWISE_POW2}
 
 
 def _names() -> str:
@@ -158,12 +177,24 @@ def get_recipe(name: str) -> Recipe:
             "recipe 'delayed' (TE DelayedScaling) is not supported under torch.compile: its amax "
             "history and scales are mutable state updated outside the graph, and TE itself "
             "refuses it when compiling (check_recipe_support). Use 'tensorwise' "
-            "(Float8CurrentScaling), 'blockwise' (Float8BlockScaling) or 'mxfp8' "
-            "(MXFP8BlockScaling) instead."
+            "(Float8CurrentScaling), 'blockwise' (Float8BlockScaling), 'mxfp8' "
+            "(MXFP8BlockScaling) or 'rowwise' (torchao's rowwise scaling) instead."
         )
-    if name not in _DEFAULTS:
+    if name not in _KEYS:
         raise ValueError(f"unknown recipe {name!r}; valid recipes are: {_names()}")
-    return _DEFAULTS[name]
+    return _KEYS[name]
+
+
+def recipe_key(name: str, power_2_scales: bool = False) -> str:
+    """The recipe string the graph ops carry for ``Config(fp8=name, fp8_pow2_scales=...)``."""
+    if power_2_scales and name != "rowwise":
+        raise ValueError(f"power-of-two scales are an option of fp8='rowwise', not {name!r}")
+    return "rowwise_pow2" if power_2_scales else name
+
+
+def is_rowwise(recipe: "Recipe | str") -> bool:
+    """One scale per row of each GEMM operand (``"rowwise"``, ``"rowwise_pow2"``)."""
+    return _as_recipe(recipe).name == "rowwise"
 
 
 def _as_recipe(recipe: Recipe | str) -> Recipe:
@@ -182,11 +213,15 @@ def block_shape(recipe: Recipe | str, role: Role) -> tuple[int, int] | None:
     """(rows, cols) of one scaling block of the quantized data; None for one scale per tensor.
 
     Blockwise: 128x128 for weights (``w_block_scaling_dim=2``), else 1x128; mxfp8: 1x32 (§5).
+    Rowwise has no fixed block (a whole row, of any length): callers ask ``is_rowwise`` first,
+    and this raises for it.
     """
     recipe = _as_recipe(recipe)
     fp8_dtype(recipe, role)  # validates the role
     if recipe.name == "tensorwise":
         return None
+    if recipe.name == "rowwise":
+        raise ValueError("rowwise scaling has one scale per row, no fixed block: ask is_rowwise")
     if recipe.name == "blockwise":
         return (128, 128) if role == "weight" else (1, 128)
     return (1, _MX_BLOCK)
@@ -195,8 +230,10 @@ def block_shape(recipe: Recipe | str, role: Role) -> tuple[int, int] | None:
 def requires_divisibility(recipe: Recipe | str) -> int:
     """What the FP8 GEMM needs GEMM dimensions to be multiples of: 16 (tensorwise, Hopper
     leading dimensions, §1), 128 (blockwise) or 32 (mxfp8, §5). ``quantize`` itself enforces
-    only mxfp8's; blockwise pads partial blocks."""
-    return {"tensorwise": 16, "blockwise": 128, "mxfp8": _MX_BLOCK}[_as_recipe(recipe).name]
+    only mxfp8's; blockwise pads partial blocks. Rowwise: 16, as tensorwise (both
+    ``torch._scaled_mm`` and ``torch._scaled_grouped_mm`` need K and N multiples of 16)."""
+    return {"tensorwise": 16, "blockwise": 128, "mxfp8": _MX_BLOCK,
+            "rowwise": 16}[_as_recipe(recipe).name]
 
 
 def compute_scale_from_amax(
@@ -316,6 +353,26 @@ def scaled_cast(x32: torch.Tensor, scale: torch.Tensor, recipe: Recipe | str,
     return _saturating_cast(x32 * scale, fp8_dtype(recipe, role))
 
 
+def row_scale(x32: torch.Tensor, recipe: Recipe | str, role: Role) -> torch.Tensor:
+    """The rowwise scales of fp32 ``x32`` (any number of leading dimensions): one per row along
+    the last dimension, shape ``(..., rows, 1)``; NaN ignored, an all-zero row gets 1."""
+    recipe = _as_recipe(recipe)
+    amax = _abs_amax(x32, (-1,))[..., None] if x32.shape[-1] else x32.new_zeros(
+        (*x32.shape[:-1], 1))
+    return compute_scale_from_amax(amax, fp8_max(fp8_dtype(recipe, role)),
+                                   power_2_scales=recipe.power_2_scales,
+                                   amax_epsilon=recipe.amax_epsilon)
+
+
+def rowwise_quantize(x32: torch.Tensor, recipe: Recipe | str,
+                     role: Role) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise FP8 data of fp32 ``x32`` (``(..., R, C)``, scales along C): ``(data, scale_inv)``,
+    data contiguous, scale_inv fp32 ``(..., R, 1)``. Every row on its own: a stack of matrices
+    quantized at once is bit-identical to each quantized alone."""
+    scale = row_scale(x32, recipe, role)
+    return scaled_cast(x32, scale, recipe, role).contiguous(), torch.reciprocal(scale)
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """The fp32 amax of a whole tensor, NaN ignored, 0 for an empty one: what tensorwise scaling
     reads. The max of the amaxes of a tensor's parts is the amax of the whole, exactly (max is
@@ -357,6 +414,10 @@ def quantize(
     x32 = (x.t() if columnwise else x).to(torch.float32)
     m, k = x32.shape
     fmax = fp8_max(dtype)
+    if recipe.name == "rowwise":
+        if amax is not None:
+            raise ValueError("a given amax scales one whole tensor: tensorwise only, not rowwise")
+        return rowwise_quantize(x32, recipe, role)
     block = block_shape(recipe, role)
 
     if amax is not None and block is not None:
@@ -411,6 +472,12 @@ def dequantize(
         )
     d32 = data.to(torch.float32)
     m, k = d32.shape
+    if recipe.name == "rowwise":
+        if tuple(scale_inv.shape) != (m, 1):
+            raise ValueError(f"rowwise {role} scale_inv for data of shape {(m, k)} must have "
+                             f"shape {(m, 1)}, got {tuple(scale_inv.shape)}")
+        out = (d32 * scale_inv).to(dtype)
+        return out.t() if columnwise else out
     block = block_shape(recipe, role)
     if block is None:
         valid_shapes: tuple[tuple[int, ...], ...] = ((), (1,))  # (1,) is TE's own layout

@@ -56,16 +56,19 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             continue
         device = lin.x.meta["val"].device
         try:
-            provider, why = providers.resolve(config.kernels, config.fp8, device)
+            provider, why = providers.resolve(config.kernels, config.fp8_recipe, device)
         except ValueError as e:
             raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
         if why:
             plan.decide(Decision(What.KERNELS, "fp8", why), once=True)
-        _rewrite(joint, lin, config.fp8, provider.name, quantized, config.fp8_accumulate)
+        _rewrite(joint, lin, config.fp8_recipe, provider.name, quantized, config.fp8_accumulate)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
         plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{config.fp8}{extra}", lin.module),
                     once=True)
+        if provider.name == "scaled_mm" and (lin.offs is not None or lin.w.meta["val"].dim() == 3):
+            plan.decide(Decision(What.GROUPED_GEMMS, "fp8", _grouped_kernels(config.fp8),
+                                 lin.module), once=True)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
     for gemm in gemms.gemms(joint):
         if gemm.reason is not None:
@@ -108,6 +111,20 @@ def _slower_in_fp8(linears: list[Linear], config: Config) -> dict[fx.Node, str]:
     return slower
 
 
+def _grouped_kernels(recipe: str) -> str:
+    """How the scaled_mm provider runs an expert linear's three GEMMs (fp8/providers.py)."""
+    if recipe == "rowwise":
+        return ("forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA sm90+, its "
+                "emulation on the CPU; one torch._scaled_mm per expert on older GPUs)")
+    if recipe == "blockwise":
+        return ("forward, dgrad and wgrad one blockwise torch scaled_mm per expert: torch has no "
+                "grouped blockwise FP8 GEMM")
+    return ("forward one torch._scaled_grouped_mm on CUDA sm90+; dgrad and wgrad one "
+            "torch._scaled_mm per expert: their gradient operand is E5M2 (tensorwise's HYBRID "
+            "format), which the grouped kernel refuses (E4M3 only); fp8='rowwise' runs all three "
+            "as one grouped kernel each")
+
+
 def why_not_lowered(lin: Linear, config: Config) -> str | None:
     """Why a linear stays in high precision, in the user's words, or None to lower it."""
     for pattern in config.fp8_exclude:
@@ -125,8 +142,10 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     # so M needs their alignment; token groups (offsets) are quantized per group, padded where a
     # block would span two (fp8/ops.py). Tensorwise has no block along M, and every provider
     # zero-pads a contraction to 16 (exact): M may be any size, even dynamic (the tokens a
-    # per-expert loop routes to one expert: nonzero's unbacked size).
-    tensorwise = recipes.block_shape(config.fp8, "input") is None
+    # per-expert loop routes to one expert: nonzero's unbacked size). Rowwise likewise: a scale
+    # spans a whole row along M, never a block of it.
+    tensorwise = (recipes.is_rowwise(config.fp8)
+                  or recipes.block_shape(config.fp8, "input") is None)
     for dim, size in (("K", k), ("N", n), ("M", m)):
         if dim == "M" and tensorwise:
             continue

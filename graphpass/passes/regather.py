@@ -13,7 +13,9 @@ tokens, and the experts' quantize scales each group or expert on its own, fp8/op
 * tensorwise: one scale per expert's tokens; X's FP8 copy has one scale for all of X, so gathering
   it gives other bits;
 * blockwise 1x128 / mxfp8 1x32 columnwise: a block is 128 (32) consecutive tokens of one expert;
-  in X's copy a block is 128 (32) consecutive tokens of X, other tokens, so other amaxes.
+  in X's copy a block is 128 (32) consecutive tokens of X, other tokens, so other amaxes;
+* rowwise columnwise: one scale per column of each expert's tokens; X's copy has one per column
+  of all of X.
 
 Only rowwise 1x128 / 1x32 copies (blocks along K, one token row each) commute with a gather of
 rows; that is the forward GEMM's operand, which the backward does not read. So no FP8 copy of X

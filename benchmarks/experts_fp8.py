@@ -1,0 +1,236 @@
+"""MoE experts in FP8 next to bf16, in one run: the shapes of expert-parallel training, the
+DeepSeek-V3 layer, a kernel profile of each FP8 step, and PASS/FAIL lines for the targets.
+
+    PYTHONPATH=. python benchmarks/experts_fp8.py                 # on an H100, a few minutes
+    PYTHONPATH=. python benchmarks/experts_fp8.py --dry-run       # CPU, tiny sizes, ~1 min
+
+Cases: the ``experts`` model (benchmarks/_experts.py: 16 DeepSeek-V3-shaped SwiGLU experts,
+``torch._grouped_mm`` with offsets) over 8,192 and over 32,768 routed tokens (512 and 2,048 per
+expert: one rank of EP=16), and one DeepSeek-V3 layer (examples/deepseek.py: 256 ``bmm`` experts,
+seq 4096). Configs: graphpass bf16 (the experts on bf16 ``_grouped_mm`` / ``bmm``), FP8
+``rowwise`` and FP8 ``tensorwise`` on ``kernels="scaled_mm"``; speedups are against the bf16 row
+of the same run. Each FP8 step is then profiled (``torch.profiler``): its kernel time, the GEMM
+share, the GEMM launches and device copies per step (a per-expert loop shows as at least one of
+each per expert), and its top kernels.
+
+``--dry-run`` runs the same code on the CPU at tiny sizes with Inductor replaced by eager code
+generation, so the script cannot rot between GPU loans; its numbers are CPU numbers, it counts
+graph ops instead of kernels (FP8 GEMM ops and ``_scaled_mm`` calls; ``index_copy_`` as copies),
+and it judges no target. ``--cases`` picks some of ``experts_8k experts_32k deepseek``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import graphpass  # noqa: E402
+from _harness import Result, measure, reason  # noqa: E402
+
+# The issue's targets ("Done when"): FP8 rowwise against bf16 in the same run.
+TARGETS = {"experts, 32,768 tokens": 1.25, "experts, 8,192 tokens": 1.0, "DeepSeek-V3 layer": 0.9}
+
+
+@dataclass
+class Case:
+    key: str
+    label: str
+    module: str  # benchmarks/_experts or examples.deepseek
+    size: str
+    experts: int
+
+
+CASE_KEYS = ("experts_8k", "experts_32k", "deepseek")
+
+
+def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[Case]:
+    tiny = "tiny" if dry_run else None
+    every = [Case("experts_8k", "experts, 8,192 tokens", "_experts", tiny or "real", 4 if tiny else 16),
+             Case("experts_32k", "experts, 32,768 tokens", "_experts", tiny or "real_32k",
+                  4 if tiny else 16),
+             Case("deepseek", "DeepSeek-V3 layer", "examples.deepseek", tiny or "real",
+                  8 if tiny else 256)]
+    return [c for c in every if c.key in keys]
+
+
+CONFIGS: list[tuple[str, dict[str, object]]] = [
+    ("bf16", {"fp8": None}),
+    ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
+    ("FP8 tensorwise/scaled_mm", {"fp8": "tensorwise", "kernels": "scaled_mm"}),
+]
+
+
+@dataclass
+class Profile:
+    kernel_ms: float
+    gemm_ms: float
+    gemm_launches: float  # per step
+    copies: float  # per step
+    top: list[tuple[float, float, str]]  # (ms per step, calls per step, name)
+
+
+def is_gemm(name: str) -> bool:
+    """cuBLAS(Lt) and CUTLASS GEMM kernels (attention kernels apart)."""
+    name = name.lower()
+    return (any(k in name for k in ("nvjet", "gemm", "cutlass"))
+            and not any(k in name for k in ("sdpa", "fmha", "flash", "attention")))
+
+
+def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
+    """Kernel time and counts of ``steps`` calls of ``step`` (CUDA); on the CPU the graph ops'
+    counts: FP8 GEMM ops and per-group ``_scaled_mm`` calls as GEMM launches, copies as copies."""
+    cuda = device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        time = lambda e: e.self_device_time_total  # noqa: E731
+        gemm = [e for e in events if is_gemm(e.key)]
+        # copies as kernels: ATen's copy kernels and memcpys (a per-expert loop's writes of each
+        # expert's output into the whole); Inductor's fused kernels named after _to_copy are not
+        copies = [e for e in events if not e.key.startswith("triton") and any(
+            k in e.key.lower() for k in ("direct_copy", "batchedcopy", "memcpy"))]
+    else:
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        time = lambda e: e.self_cpu_time_total  # noqa: E731
+        # the CPU emulation of the grouped kernel loops over groups in aten::mm: count the graph's
+        # FP8 GEMM ops and torch._scaled_mm calls (a per-group loop's) instead
+        gemm = [e for e in events if e.key in ("graphpass::fp8_gemm", "aten::_scaled_mm")]
+        copies = [e for e in events if e.key == "aten::index_copy_"]
+    events.sort(key=time, reverse=True)
+    total = sum(time(e) for e in events) / steps / 1e3
+    return Profile(total, sum(time(e) for e in gemm) / steps / 1e3,
+                   sum(e.count for e in gemm) / steps, sum(e.count for e in copies) / steps,
+                   [(time(e) / steps / 1e3, e.count / steps, e.key[:100]) for e in events[:top]])
+
+
+def run(case: Case, options: dict[str, object], device: torch.device, codegen: str, steps: int,
+        warmup: int, with_profile: bool) -> tuple[Result, Profile | None]:
+    result = Result(case.label, "")
+    try:
+        backend = graphpass.backend(codegen=codegen, **options)
+    except ValueError as e:
+        result.note = f"skipped: {reason(e)}"
+        return result, None
+    torch._dynamo.reset()
+    model, inputs = importlib.import_module(case.module).build(
+        case.size, layers=1, device=device, dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend=backend)
+    measure(result, model, inputs, compiled, device, steps, warmup)
+    if not with_profile or result.ms is None:
+        return result, None
+    grad: list[torch.Tensor] = []
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        out = compiled(*inputs)
+        grad[:] = grad or [torch.ones_like(out)]
+        out.backward(grad[0])
+
+    try:
+        return result, profile(step, max(1, min(steps, 3)), device)
+    except Exception as e:  # a profiler failure leaves the timing standing
+        result.note = f"profile failed: {reason(e)}"
+        return result, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, tiny sizes, eager code generation: checks the script, judges "
+                             "nothing")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (median shown)")
+    parser.add_argument("--cases", nargs="+", default=list(CASE_KEYS), choices=CASE_KEYS)
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("experts_fp8.py: no CUDA device; run it on the GPU machine, or use "
+                         "--dry-run to check the script on the CPU")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    codegen = "eager" if args.dry_run else "inductor"
+    steps, warmup = (args.steps or 1, 1) if args.dry_run else (args.steps or 10, 3)
+    where = ("DRY RUN on CPU: tiny sizes, eager codegen; NOT GPU numbers" if args.dry_run
+             else f"GPU: {torch.cuda.get_device_name(device)}")
+    lines = [f"# MoE experts: FP8 against bf16", "",
+             f"{where}; torch {torch.__version__}; one training step (fw+bw), median of {steps} "
+             f"steps after {warmup} warm-up; speedup = bf16 median / this median, same run.", "",
+             "## Step time", "",
+             "| case | config | median ms | vs bf16 | kernel ms | GEMM ms | GEMM launches/step "
+             "| copies/step | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    speedups: dict[tuple[str, str], float] = {}
+    profiles: dict[tuple[str, str], Profile] = {}
+    for case in cases(args.dry_run, args.cases):
+        baseline = None
+        for label, options in CONFIGS:
+            result, prof = run(case, options, device, codegen, steps, warmup,
+                               with_profile=options.get("fp8") is not None)
+            if label == "bf16":
+                baseline = result.ms
+            speedup = baseline / result.ms if baseline and result.ms else None
+            if speedup is not None:
+                speedups[(case.label, label)] = speedup
+            if prof is not None:
+                profiles[(case.label, label)] = prof
+            cells = [case.label, label, f"{result.ms:.2f}" if result.ms else "-",
+                     f"{speedup:.2f}x" if speedup else "-",
+                     *(([f"{prof.kernel_ms:.2f}", f"{prof.gemm_ms:.2f}", f"{prof.gemm_launches:g}",
+                         f"{prof.copies:g}"]) if prof else ["-"] * 4), result.note]
+            lines.append("| " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    lines += ["", "## Top kernels of the FP8 rowwise steps", ""]
+    for case in cases(args.dry_run, args.cases):
+        prof = profiles.get((case.label, "FP8 rowwise/scaled_mm"))
+        if prof is None:
+            continue
+        lines += [f"{case.label}: {prof.kernel_ms:.2f} ms of "
+                  f"{'ops' if args.dry_run else 'kernels'} per step, GEMM {prof.gemm_ms:.2f} ms",
+                  "", "| ms/step | calls/step | kernel |", "|---|---|---|"]
+        lines += [f"| {ms:.3f} | {calls:g} | `{name}` |" for ms, calls, name in prof.top]
+        lines.append("")
+    lines += ["## Targets", ""]
+    for case in cases(args.dry_run, args.cases):
+        got = speedups.get((case.label, "FP8 rowwise/scaled_mm"))
+        target = TARGETS[case.label]
+        line = f"- {case.label}: FP8 rowwise >= {target}x bf16"
+        lines.append(_judged(line, None if got is None else got >= target,
+                             f"{got:.2f}x" if got else "not measured", args.dry_run))
+        prof = profiles.get((case.label, "FP8 rowwise/scaled_mm"))
+        line = (f"- {case.label}: no per-expert loop in the FP8 rowwise step (GEMM launches and "
+                f"device copies per step < {case.experts} experts)")
+        ok = None if prof is None else (prof.gemm_launches < case.experts
+                                        and prof.copies < case.experts)
+        detail = ("not profiled" if prof is None else
+                  f"{prof.gemm_launches:g} GEMM launches, {prof.copies:g} copies per step")
+        lines.append(_judged(line, ok, detail, args.dry_run))
+    text = "\n".join(lines) + "\n"
+    print("\n".join(lines[lines.index("## Top kernels of the FP8 rowwise steps"):]))
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+def _judged(line: str, ok: bool | None, detail: str, dry_run: bool) -> str:
+    if dry_run:
+        return f"{line}: not judged (dry run; {detail})"
+    if ok is None:
+        return f"{line}: FAIL ({detail})"
+    return f"{line}: {'PASS' if ok else 'FAIL'} ({detail})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,451 @@
+"""The rowwise recipe (``fp8="rowwise"``): its math, its dense GEMMs on ``torch._scaled_mm`` with
+rowwise scales, and expert GEMMs as one ``torch._scaled_grouped_mm`` each (forward, dgrad and
+wgrad), on the CPU through the kernel's emulation, which checks the CUDA kernel's operand rules."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphpass
+from graphpass import _compat
+from graphpass.fp8 import cublaslt, providers, recipes
+
+E, K, N = 4, 64, 48
+# groups of 100, 0, 233 and 179 tokens: an empty group, none a multiple of 16
+ENDS = [100, 100, 333, 512]
+T = ENDS[-1]
+
+
+# --- the recipe ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_rowwise_scales_each_row_on_its_own(pow2, columnwise):
+    """One fp32 scale per row of the quantized data (per column of x columnwise), E4M3 in every
+    role: each row is bit for bit that row quantized alone by the same scale rule as tensorwise
+    E4M3; an all-zero row gets scale 1, a NaN is ignored by its row's amax; power-of-two scales
+    are powers of two."""
+    name = "rowwise_pow2" if pow2 else "rowwise"
+    torch.manual_seed(0)
+    x = torch.randn(48, 80) * torch.logspace(-3, 3, 80)  # columns of very different magnitude
+    x[:, 5] = 0.0
+    x[7, 9] = float("nan")
+    rows = x.t() if columnwise else x
+    for role in recipes.ROLES:
+        data, scale_inv = recipes.quantize(x, name, role, columnwise=columnwise)
+        assert data.dtype == recipes.E4M3 and scale_inv.dtype == torch.float32
+        assert data.shape == rows.shape and scale_inv.shape == (rows.shape[0], 1)
+        e4m3 = recipes.Recipe("tensorwise", "E4M3", power_2_scales=pow2)
+        for i in (0, 5, 9, 47):
+            ref_data, ref_inv = recipes.quantize(rows[i:i + 1], e4m3, role)
+            assert torch.equal(data[i:i + 1].view(torch.uint8), ref_data.view(torch.uint8))
+            assert torch.equal(scale_inv[i], ref_inv.reshape(1))
+        zero_row = 5 if columnwise else None
+        if zero_row is not None:
+            assert scale_inv[zero_row] == 1.0
+        if pow2:
+            assert scale_inv.log2().frac().eq(0).all()
+        back = recipes.dequantize(data, scale_inv, name, role, columnwise=columnwise)
+        assert back.shape == x.shape
+
+
+def test_rowwise_stacks_and_groups_are_each_part_quantized_alone():
+    """3-D expert weights in one pass equal each expert quantized alone, both usages; the
+    columnwise copy of token groups equals each group quantized alone, scales (G, K), rows past
+    the last group 0, an empty group's scales 1."""
+    torch.manual_seed(0)
+    w = torch.randn(E, N, K, dtype=torch.bfloat16)
+    d, s, dt, st = torch.ops.graphpass.quantize(w, "rowwise", "weight", "both")
+    for e in range(E):
+        rd, rs = recipes.quantize(w[e], "rowwise", "weight")
+        cd, cs = recipes.quantize(w[e], "rowwise", "weight", columnwise=True)
+        assert torch.equal(d[e].view(torch.uint8), rd.view(torch.uint8)) and torch.equal(s[e], rs)
+        assert torch.equal(dt[e].view(torch.uint8), cd.view(torch.uint8)) and torch.equal(st[e], cs)
+    x = torch.randn(T + 12, K, dtype=torch.bfloat16)
+    x[200:333] *= 1000
+    x[T + 3, 0] = float("inf")  # past the last group: its data is 0, no scale sees it
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    data, scale = torch.ops.graphpass.quantize(x, "rowwise", "input", "columnwise", offs)
+    assert data.shape == (K, T + 12) and scale.shape == (E, K)
+    assert not data[:, T:].view(torch.uint8).any()
+    start = 0
+    for g, end in enumerate(ENDS):
+        if end == start:
+            assert (scale[g] == 1.0).all()
+            continue
+        rd, rs = recipes.quantize(x[start:end], "rowwise", "input", columnwise=True)
+        assert torch.equal(data[:, start:end].view(torch.uint8), rd.view(torch.uint8))
+        assert torch.equal(scale[g], rs[:, 0])
+        start = end
+
+
+def test_rowwise_options_are_validated():
+    assert graphpass.Config(fp8="rowwise", fp8_pow2_scales=True).fp8_recipe == "rowwise_pow2"
+    assert graphpass.Config(fp8="rowwise").fp8_recipe == "rowwise"
+    assert graphpass.Config(fp8="rowwise", kernels="scaled_mm").kernels == "scaled_mm"
+    with pytest.raises(ValueError, match="fp8_pow2_scales=True has no effect without fp8='rowwise'"):
+        graphpass.Config(fp8="tensorwise", fp8_pow2_scales=True)
+    with pytest.raises(ValueError, match="Transformer Engine has no rowwise"):
+        graphpass.Config(fp8="rowwise", kernels="te")
+    with pytest.raises(ValueError, match="expected a bool"):
+        graphpass.Config(fp8="rowwise", fp8_pow2_scales=1)
+    with pytest.raises(ValueError, match="E4M3 for every role"):
+        recipes.Recipe("rowwise", "HYBRID", power_2_scales=False)
+    with pytest.raises(ValueError, match="is_rowwise"):
+        recipes.block_shape("rowwise", "input")
+
+
+# --- dense GEMMs on torch._scaled_mm with rowwise scales -------------------------------------------
+
+def _checked_scaled_mm(monkeypatch, calls):
+    """torch._scaled_mm's CPU emulation, held to what the CUDA rowwise kernel takes (torch 2.13's
+    checks, and the two cuBLASLt rules of fp8/cublaslt.py): scale_a (M, 1) and scale_b (1, N),
+    fp32, contiguous, each in its own allocation; K a multiple of 16; a bf16 output."""
+    real = _compat.scaled_mm
+
+    def checked(a, b, *, scale_a, scale_b, bias, out_dtype):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        assert a.dtype == b.dtype == recipes.E4M3
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0
+        assert b.stride(0) == 1  # column-major mat2
+        assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
+        for s in (scale_a, scale_b):
+            assert s.dtype == torch.float32 and s.is_contiguous() and s.storage_offset() == 0
+        assert out_dtype == torch.bfloat16
+        assert bias is None or bias.dtype == torch.bfloat16
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+
+    monkeypatch.setattr(_compat, "scaled_mm", checked)
+
+
+class _Conv1D(nn.Module):
+    """GPT-2's Conv1D: weight stored [in, out], y = x @ W + b."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(k, n) * 0.05)
+        self.bias = nn.Parameter(torch.randn(n) * 0.05)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(
+            *x.shape[:-1], -1)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 64)
+        self.out = nn.Linear(64, 128, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _step(model, inputs, kernels, recipe="rowwise", pow2=False):
+    torch._dynamo.reset()
+    params = dict(model.named_parameters())
+    for p in params.values():
+        p.grad = None
+    compiled = torch.compile(model, backend=graphpass.backend(
+        codegen="eager", fp8=recipe, kernels=kernels, fp8_exclude=(),
+        **({"fp8_pow2_scales": True} if pow2 else {})))
+    inputs = [i.clone().requires_grad_() if i.is_floating_point() else i for i in inputs]
+    y = compiled(*inputs)
+    y.float().square().sum().backward()
+    return [y.detach()] + [i.grad for i in inputs if i.is_floating_point()] + [
+        p.grad.clone() for p in params.values()]
+
+
+@pytest.mark.parametrize("form", ["linear", "conv1d", "tied"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_dense_rowwise_on_scaled_mm_is_the_reference(form, pow2, monkeypatch):
+    """nn.Linear (with a bf16 bias, fused), GPT-2's Conv1D ([in, out] weight) and an output
+    projection tied to the embedding, bf16, under fp8='rowwise': every GEMM (forward, dgrad,
+    wgrad) one rowwise torch._scaled_mm that follows the CUDA kernel's rules, outputs and
+    gradients bit-identical to the reference provider."""
+    torch.manual_seed(0)
+    if form == "linear":
+        model, inputs, gemms = nn.Linear(256, 128), [torch.randn(2, 64, 256)], 3
+    elif form == "conv1d":
+        model, inputs, gemms = _Conv1D(256, 128), [torch.randn(2, 64, 256)], 3
+    else:
+        model, inputs, gemms = _Tied(), [torch.randint(0, 128, (2, 64))], 3
+    model = model.to(torch.bfloat16)
+    inputs = [i.to(torch.bfloat16) if i.is_floating_point() else i for i in inputs]
+    ref = _step(model, inputs, "reference", pow2=pow2)
+    calls = []
+    _checked_scaled_mm(monkeypatch, calls)
+    got = _step(model, inputs, "scaled_mm", pow2=pow2)
+    assert len(calls) == gemms
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g)
+    notes = [n for n in graphpass.last_report().notes if n.startswith("lowered")]
+    assert notes and all("(scaled_mm/rowwise)" in n for n in notes)
+
+
+# --- expert GEMMs as one torch._scaled_grouped_mm each ---------------------------------------------
+
+class _TokenGrouped(nn.Module):
+    def __init__(self, stored_kn):
+        super().__init__()
+        self.stored_kn = stored_kn
+        shape = (E, K, N) if stored_kn else (E, N, K)
+        self.weight = nn.Parameter((torch.randn(*shape) * 0.05).to(torch.bfloat16))
+
+    def forward(self, x, offs):
+        w = self.weight if self.stored_kn else self.weight.transpose(-2, -1)
+        return torch._grouped_mm(x, w, offs=offs)
+
+
+class _Bmm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter((torch.randn(E, K, N) * 0.05).to(torch.bfloat16))
+
+    def forward(self, x):
+        return torch.bmm(x, self.weight)
+
+
+def _count_grouped(monkeypatch):
+    """Each grouped call's form (2d x 3d, 2d x 2d, 3d x 3d), through the emulation that checks
+    the kernel's rules; a per-group _scaled_mm would show in the second list."""
+    grouped, single = [], []
+    real_grouped, real_mm = providers.scaled_grouped_mm_emulated, _compat.scaled_mm
+
+    def grouped_call(a, b, scale_a, scale_b, offs):
+        grouped.append(f"{a.dim()}d x {b.dim()}d")
+        return real_grouped(a, b, scale_a, scale_b, offs)
+
+    def mm(*args, **kwargs):
+        single.append(1)
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(providers, "scaled_grouped_mm_emulated", grouped_call)
+    monkeypatch.setattr(_compat, "scaled_mm", mm)
+    return grouped, single
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("stored_kn", [True, False], ids=["EKN", "ENK"])
+def test_token_groups_run_one_grouped_call_per_gemm(stored_kn, pow2, monkeypatch):
+    """Experts over token groups of 100, 0, 233 and 179 tokens under fp8='rowwise' with
+    kernels='scaled_mm': forward and dgrad one 2d x 3d torch._scaled_grouped_mm each, wgrad one
+    2d x 2d (groups moved to 16-aligned starts on the device), no per-group _scaled_mm;
+    outputs and gradients bit-identical to the reference provider, which runs each expert's
+    GEMMs on their own."""
+    torch.manual_seed(0)
+    model = _TokenGrouped(stored_kn)
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    ref = _step(model, [x, offs], "reference", pow2=pow2)
+    grouped, single = _count_grouped(monkeypatch)
+    got = _step(model, [x, offs], "scaled_mm", pow2=pow2)
+    assert sorted(grouped) == ["2d x 2d", "2d x 3d", "2d x 3d"] and not single
+    assert [n for n in graphpass.last_report().notes if n.startswith("grouped gemms")] == [
+        "grouped gemms: <root>: forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA "
+        "sm90+, its emulation on the CPU; one torch._scaled_mm per expert on older GPUs)"]
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g)
+
+
+def test_bmm_experts_run_one_grouped_call_per_gemm(monkeypatch):
+    """bmm experts (capacity 100, not a multiple of 16: the wgrad's contraction is zero-padded)
+    under fp8='rowwise': forward, dgrad and wgrad one 3d x 3d torch._scaled_grouped_mm each,
+    bit-identical to the reference provider."""
+    torch.manual_seed(0)
+    model = _Bmm()
+    x = torch.randn(E, 100, K, dtype=torch.bfloat16)
+    ref = _step(model, [x], "reference")
+    grouped, single = _count_grouped(monkeypatch)
+    got = _step(model, [x], "scaled_mm")
+    assert grouped == ["3d x 3d"] * 3 and not single
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g)
+
+
+def test_grouped_calls_pass_torchs_own_checks():
+    """The arguments graphpass gives torch._scaled_grouped_mm in its three forms pass torch's
+    meta checks (which mirror the CUDA kernel's) on CUDA fake tensors, without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+
+    def fake_kernel(a, b, *, scale_a, scale_b, offs, out_dtype):
+        seen.append(f"{a.dim()}d x {b.dim()}d")
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+
+    e4 = recipes.E4M3
+    with FakeTensorMode(), pytest.MonkeyPatch.context() as m:
+        m.setattr(_compat, "scaled_grouped_mm", fake_kernel)
+        cuda = lambda *s, dt=e4: torch.empty(*s, dtype=dt, device="cuda")  # noqa: E731
+        offs = cuda(len(ENDS), dt=torch.int32)
+        out = providers.grouped_mm_call(cuda(T, K), cuda(E, N, K).transpose(-2, -1),
+                                        providers.own_rows(cuda(T, 1, dt=torch.float32), (T,)),
+                                        cuda(E, N, dt=torch.float32), offs)
+        assert out.shape == (T, N) and out.dtype == torch.bfloat16
+        out = providers.grouped_mm_call(cuda(K, T + 64), cuda(N, T + 64).t(),
+                                        cuda(E * K, dt=torch.float32),
+                                        cuda(E * N, dt=torch.float32), offs)
+        assert out.shape == (E, K, N)
+        out = providers.rowwise_batched(cuda(E, 96, K), cuda(E, 96, 1, dt=torch.float32),
+                                        cuda(E, N, K), cuda(E, N, 1, dt=torch.float32),
+                                        torch.bfloat16)
+        assert out.shape == (E, 96, N)
+        with pytest.raises(RuntimeError, match="E4M3"):
+            torch._scaled_grouped_mm(cuda(T, K, dt=recipes.E5M2), cuda(E, N, K).transpose(-2, -1),
+                                     cuda(T, dt=torch.float32), cuda(E, N, dt=torch.float32),
+                                     offs=offs, out_dtype=torch.bfloat16)
+    assert seen == ["2d x 3d", "2d x 2d", "3d x 3d"]
+
+
+def test_grouped_rules_refuse_what_the_kernel_refuses():
+    """The CPU emulation's checks (fp8/cublaslt.py) refuse each operand the CUDA kernel would
+    not take, so a CPU test cannot pass with a call an H100 refuses."""
+    e4 = recipes.E4M3
+    t = lambda *s, dt=e4: torch.zeros(*s, dtype=dt)  # noqa: E731
+    f = lambda *s: torch.ones(*s)  # noqa: E731
+    offs = torch.tensor([16, 16, 64], dtype=torch.int32)
+    check = cublaslt.check_scaled_grouped_mm
+    check(t(64, K), t(3, N, K).transpose(-2, -1), f(64), f(3, N), offs)  # fine
+    check(t(K, 64), t(N, 64).t(), f(3 * K), f(3 * N), offs)  # fine
+    bad = [
+        ((t(64, K, dt=recipes.E5M2), t(3, N, K).transpose(-2, -1), f(64), f(3, N), offs), "E4M3"),
+        ((t(64, K), t(3, K, N), f(64), f(3, N), offs), "column-major"),
+        ((t(64, K), t(3, N, K).transpose(-2, -1), f(64, 1), f(3, N), offs), "1-D"),
+        ((t(64, K), t(3, N, K).transpose(-2, -1), f(64), f(3, N), offs.long()), "int32"),
+        ((t(64, 40), t(3, N, 40).transpose(-2, -1), f(64), f(3, N), offs), "multiples of 16"),
+        ((t(K, 64), t(N, 64).t(), f(3 * K), f(N), offs), "elements"),
+        ((t(K, 64), t(N, 64).t(), f(3 * K), f(3 * N),
+          torch.tensor([10, 30, 64], dtype=torch.int32)), "start at multiples of 16"),
+        ((t(3, 32, K), t(3, N, K).transpose(-2, -1), f(3, 32), f(3, N), offs), "offsets"),
+    ]
+    for args, why in bad:
+        with pytest.raises(ValueError, match=why):
+            check(*args)
+
+
+def test_aligned_token_positions():
+    """The wgrad's 16-aligned layout of groups 100, 0, 233, 179 (and 12 tokens past the end):
+    each token keeps its group and order, groups start at multiples of 16, on the device."""
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    positions, padded_offs, padded = providers.aligned_token_positions(offs, T + 12)
+    assert padded_offs.tolist() == [112, 112, 352, 544] and padded == 528 + 64
+    assert positions[:100].tolist() == list(range(100))
+    assert positions[100:333].tolist() == list(range(112, 345))
+    assert positions[333:512].tolist() == list(range(352, 531))
+    assert positions[512:].tolist() == list(range(544, 556))
+    assert int(positions.max()) < padded
+
+
+# --- quantizes inlined into Inductor's kernels -----------------------------------------------------
+
+def test_rowwise_quantizes_are_inlined_and_bit_identical_to_the_op(monkeypatch):
+    """With Inductor (CPU), rowwise quantizes, the token-grouped ones included, are inlined after
+    the partition: the generated code calls no graphpass.quantize, and outputs and gradients are
+    bit-identical to the opaque op's (fuse_quantize=False), under the same precision settings."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    if not _compat.inductor_rounds_fused_casts(device_types=["cpu"]):
+        pytest.skip("this torch's Inductor CPU code leaves quantizes one op (a report note)")
+    torch.manual_seed(0)
+    model = _TokenGrouped(stored_kn=False)
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+
+    def step(fuse):
+        torch._dynamo.reset()
+        model.weight.grad = None
+        compiled = torch.compile(model, backend=graphpass.backend(
+            fp8="rowwise", kernels="scaled_mm", fuse_quantize=fuse))
+        xx = x.clone().requires_grad_()
+
+        def run():
+            y = compiled(xx, offs)
+            y.float().square().sum().backward()
+            return y.detach()
+
+        y, code = run_and_get_code(run)
+        return [y, xx.grad, model.weight.grad.clone()], "\n".join(code)
+
+    with inductor_config.patch(emulate_precision_casts=True):
+        opaque, opaque_code = step(False)
+    fused, fused_code = step(True)
+    assert "graphpass.quantize" in opaque_code and "graphpass.quantize" not in fused_code
+    assert "graphpass.fp8_gemm" in fused_code
+    for a, b in zip(fused, opaque):
+        assert torch.equal(a, b)
+
+
+def test_tensorwise_experts_say_what_still_loops(monkeypatch):
+    """Never silent: under tensorwise, the scaled_mm provider's expert dgrad and wgrad are one
+    _scaled_mm per expert (E5M2 gradients, which the grouped kernel refuses); the report says so,
+    and the CPU run makes exactly those per-group calls."""
+    torch.manual_seed(0)
+    model = _Bmm()
+    x = torch.randn(E, 96, K, dtype=torch.bfloat16)
+    grouped, single = _count_grouped(monkeypatch)
+    _step(model, [x], "scaled_mm", recipe="tensorwise")
+    assert not grouped and len(single) == 3 * E  # the CPU has no tensorwise grouped kernel
+    [note] = [n for n in graphpass.last_report().notes if n.startswith("grouped gemms")]
+    assert "dgrad and wgrad one torch._scaled_mm per expert" in note and "E5M2" in note
+
+
+# --- on an H100: the real kernels against the reference provider -----------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", ["linear", "token_groups", "bmm"])
+def test_rowwise_kernels_match_the_reference_on_cuda(form):
+    """CUDA sm90+: rowwise torch._scaled_mm and torch._scaled_grouped_mm (forward, dgrad, wgrad,
+    groups of 100, 0, 233, 179 tokens) against the reference provider on the same device: the
+    same FP8 operands and scales, fp32 accumulation in another order, so close, not equal."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._scaled_grouped_mm needs sm90+")
+    torch.manual_seed(0)
+    if form == "linear":
+        model, inputs = nn.Linear(256, 128), [torch.randn(2, 64, 256)]
+    elif form == "token_groups":
+        model, inputs = _TokenGrouped(False), [torch.randn(T, K), torch.tensor(ENDS, dtype=torch.int32)]
+    else:
+        model, inputs = _Bmm(), [torch.randn(E, 100, K)]
+    model = model.to("cuda", torch.bfloat16)
+    inputs = [i.to("cuda", torch.bfloat16) if i.is_floating_point() else i.to("cuda")
+              for i in inputs]
+    ref = _step(model, inputs, "reference")
+    got = _step(model, inputs, "scaled_mm")
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
+
+
+# --- coverage: rowwise lowers what tensorwise lowers ------------------------------------------------
+
+@pytest.mark.parametrize("name", ["deepseek", "mixtral"])
+def test_rowwise_lowers_every_gemm_tensorwise_lowers(name):
+    """FP8 coverage of GEMM FLOPs under rowwise equals tensorwise's on the tiny DeepSeek example
+    (MLA, bmm experts) and the tiny Hugging Face Mixtral (bf16, torch._grouped_mm experts), with
+    nothing excluded: the same linears lowered, the same FP8 FLOPs."""
+    if name == "deepseek":
+        from examples import deepseek
+
+        model, inputs = deepseek.build("tiny", seq=64)
+    else:
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=512,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=256,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=64,
+                                         experts_implementation="grouped_mm")
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16)
+        inputs = [torch.randint(0, 256, (2, 64))]
+    got = {}
+    for recipe in ("tensorwise", "rowwise"):
+        report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8=recipe, fp8_exclude=()))
+        lowered = sorted(n.split(" (")[0] for n in report.notes if n.startswith("lowered: "))
+        got[recipe] = (lowered, report.meta["fp8_coverage"]["fp8_flops"],
+                       report.meta["fp8_coverage"]["fp8_share"])
+    assert got["rowwise"] == got["tensorwise"]
+    assert any("experts" in n for n in got["rowwise"][0])
