@@ -520,6 +520,32 @@ def test_scaled_mm_accumulates_per_gemm_role(mode, expected, monkeypatch):
     assert sorted(calls) == sorted(expected.items())
 
 
+@pytest.mark.parametrize("mode,expected", [
+    ("te", {"forward": True, "dgrad": False, "wgrad": False}),
+    ("precise", {"forward": False, "dgrad": False, "wgrad": False}),
+])
+def test_rowwise_scaled_mm_accumulates_per_gemm_role(mode, expected, monkeypatch):
+    """Under ``fp8="rowwise"`` every operand is E4M3, so the roles are read from the shapes of a
+    (M=64, K=256, N=128): the forward's a is x (64, 256), dgrad's the gradient (64, 128), wgrad's
+    the gradient transposed (128, 64)."""
+    calls, real = [], _compat.scaled_mm
+    roles = {(64, 256): "forward", (64, 128): "dgrad", (128, 64): "wgrad"}
+
+    def record(a, b, **kw):
+        calls.append((roles[tuple(a.shape)], kw["use_fast_accum"]))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(_compat, "scaled_mm", record)
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128, bias=False)
+    x = torch.randn(64, 256, requires_grad=True)
+    options = {} if mode == "te" else {"fp8_accumulate": mode}
+    compiled = torch.compile(lin, backend=graphpass.backend(
+        codegen="eager", fp8="rowwise", kernels="scaled_mm", **options))
+    compiled(x).sum().backward()
+    assert sorted(calls) == sorted(expected.items())
+
+
 def test_fp8_accumulate_is_validated():
     assert graphpass.Config(fp8="tensorwise", fp8_accumulate="precise").fp8_accumulate == "precise"
     with pytest.raises(ValueError, match="fp8_accumulate='split'.*'te', 'fast', 'precise'"):
