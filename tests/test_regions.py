@@ -1,0 +1,125 @@
+"""Selections from the graph's structure (graph/regions.py): the recompute words and the FP8
+cache's levels select the same computation and save the same bytes however a block is written
+(flat or with submodules, fused or split projections, HF or torchtitan names, bias or not, GELU
+or SwiGLU, dense or MoE); an exact selection never changes a gradient."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch.utils.checkpoint import CheckpointPolicy
+
+import _layouts as L
+import graphpass
+from graphpass import pipeline
+from graphpass.decisions import What
+from graphpass.graph.nodes import op_name, tensor_val
+
+WORDS = ("layernorm", "act", "moe_act", "core_attn", "mlp", "moe", "shared_experts", "mla_up_proj")
+LEVELS = ("act_input", "attn", "layer_input")
+FUSED = ("fused", "flat_fused", "nanogpt")
+
+
+def _x():
+    torch.manual_seed(1)
+    return torch.randn(2, 16, L.DIM)
+
+
+def _plan(model, cfg):
+    """(activation bytes, what the selection took: the recomputed forward ops, or the cached
+    tensors, as sorted (op, shape) pairs)."""
+    selected = []
+    original = pipeline.PASSES
+
+    def recorded(graph_pass):
+        def run(joint, plan, config):
+            graph_pass(joint, plan, config)
+            if graph_pass.__name__ == "recompute":
+                selected.extend((op_name(n), tuple(tensor_val(n).shape) if tensor_val(n) is not None else ())
+                                for n in joint.graph.nodes
+                                if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE)
+        run.__name__ = graph_pass.__name__
+        return run
+
+    pipeline.PASSES = tuple(recorded(p) for p in original)
+    try:
+        x = _x().requires_grad_()
+        report = graphpass.plan(model, x, config=graphpass.Config(**cfg))
+    finally:
+        pipeline.PASSES = original
+    cached = [(r.kind, r.shape) for r in report.rows if r.decided(What.FP8_CACHED)]
+    return report.activation_bytes, sorted(selected) + sorted(cached)
+
+
+def test_flat_block_caches_the_activation_inputs_as_the_submodule_block_does():
+    """A pre-norm Llama block written in one ``forward`` (norms as ``F.rms_norm``) caches under
+    ``act_input`` what the same block with attention and MLP submodules caches: the gate and up
+    projections' outputs (32x128 each, e4m3 with one E8M0 scale per 1x128 block), nothing else."""
+    x = _x().requires_grad_()
+    cfg = graphpass.Config(fp8_cache="act_input", fp8_cache_min_bytes=0)
+    reports = {layout: graphpass.plan(L.build(layout), x, config=cfg) for layout in ("hf", "flat")}
+    exact = graphpass.plan(L.build("flat"), x).activation_bytes
+    for layout, modules in (("hf", {"mlp.gate_proj", "mlp.up_proj"}), ("flat", {"gate", "up"})):
+        cached = {(r.module, r.kind, r.shape, r.bytes) for r in reports[layout].rows
+                  if r.decided(What.FP8_CACHED)}
+        assert cached == {(m, kind, shape, n) for m in modules for kind, shape, n in (
+            ("fp8_data", (32, 128), 4096), ("fp8_scale", (32, 1), 32))}, layout
+    assert reports["flat"].activation_bytes == reports["hf"].activation_bytes
+    assert reports["flat"].activation_bytes == exact - 2 * (4 * 32 * 128 - 4096 - 32)
+
+
+@pytest.mark.parametrize("layout", FUSED)
+def test_fused_projections_cache_only_the_chunks_that_feed_the_activation(layout):
+    """Fused q/k/v and gate/up projections split or chunked (nanoGPT's ``c_attn``, ``c_fc``),
+    with norms whose modules' names say nothing of a norm (``nanogpt``): ``act_input`` caches the gate/up output the SwiGLU reads (32x256) and never the block's input,
+    the attention projection's output or q/k/v."""
+    x = _x().requires_grad_()
+    report = graphpass.plan(L.build(layout), x, config=graphpass.Config(
+        fp8_cache="act_input", fp8_cache_min_bytes=0))
+    module = {"flat_fused": "c_fc", "fused": "mlp.gate_projup_proj", "nanogpt": "mlp.c_fc"}[layout]
+    assert {(r.module, r.kind, r.shape) for r in report.rows if r.decided(What.FP8_CACHED)} == {
+        (module, "fp8_data", (32, 256)), (module, "fp8_scale", (32, 2))}
+    split = graphpass.plan(L.build("hf"), x, config=graphpass.Config(fp8_cache="act_input",
+                                                                    fp8_cache_min_bytes=0))
+    assert report.activation_bytes == split.activation_bytes
+
+
+def _grads(model, cfg):
+    torch._dynamo.reset()
+    model.zero_grad()
+    x = _x().requires_grad_()
+    compiled = torch.compile(model, backend=graphpass.backend(codegen="eager", **cfg))
+    compiled(x).pow(2).mean().backward()
+    return [x.grad, *(p.grad.clone() for p in model.parameters())]
+
+
+# CI runs the explicit examples and a fixed draw (the "ci" profile in conftest.py); elsewhere each
+# run draws anew; GRAPHPASS_PROPERTY_EXAMPLES=50 hunts longer.
+@settings(max_examples=int(os.environ.get("GRAPHPASS_PROPERTY_EXAMPLES", "1")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@example(swiglu=True, bias=False, moe=False, norm="rms", grads_layout="flat_fused")
+@example(swiglu=False, bias=True, moe=False, norm="layer", grads_layout="flat")
+@example(swiglu=True, bias=False, moe=True, norm="rms", grads_layout="flat")
+@given(swiglu=st.booleans(), bias=st.booleans(), moe=st.booleans(),
+       norm=st.sampled_from(["rms", "layer"]), grads_layout=st.sampled_from(L.LAYOUTS))
+def test_one_answer_per_arithmetic(swiglu, bias, moe, norm, grads_layout):
+    """Every layout of the block: per recompute word and cache level the same saved bytes, and
+    the same recomputed ops and cached tensors (fused layouts among themselves: one GEMM where
+    the others have two or three); the exact selections' gradients are bit-identical to no
+    selection's."""
+    models = {layout: L.build(layout, swiglu=swiglu, bias=bias, moe=moe, norm=norm)
+              for layout in L.LAYOUTS}
+    policies = [{}] + [dict(recompute=(w,)) for w in WORDS] + [
+        dict(fp8_cache=level, fp8_cache_min_bytes=0) for level in LEVELS]
+    for cfg in policies:
+        got = {layout: _plan(model, cfg) for layout, model in models.items()}
+        assert len({b for b, _ in got.values()}) == 1, (cfg, got)
+        for group in ([l for l in L.LAYOUTS if l not in FUSED], FUSED):
+            assert len({tuple(got[l][1]) for l in group}) == 1, (cfg, {l: got[l] for l in group})
+    model = models[grads_layout]
+    base = _grads(model, {})
+    for word in WORDS:
+        grads = _grads(model, dict(recompute=(word,)))
+        assert all(torch.equal(a, b) for a, b in zip(grads, base)), word
