@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("report",),
     ("fp8", "graph"),
     ("passes",),
-    ("min_cut", "reporting", "pipeline"),
+    ("min_cut", "reporting", "pipeline", "selections"),
     ("backend", "plan", "distributed"),
     ("testing",),
     ("cli_flags", "cli", "__main__", "__init__"),

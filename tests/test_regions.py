@@ -4,6 +4,7 @@ cache's levels select the same computation and save the same bytes however a blo
 or SwiGLU, dense or MoE); an exact selection never changes a gradient."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ import graphpass
 from graphpass import pipeline
 from graphpass.decisions import What
 from graphpass.graph.nodes import op_name, tensor_val
+from graphpass.graph.regions import LOOKS_FOR
+from graphpass.selections import EmptySelectionWarning
 
 WORDS = ("layernorm", "act", "moe_act", "core_attn", "mlp", "moe", "shared_experts", "mla_up_proj")
 LEVELS = ("act_input", "attn", "layer_input")
@@ -123,3 +126,63 @@ def test_one_answer_per_arithmetic(swiglu, bias, moe, norm, grads_layout):
     for word in WORDS:
         grads = _grads(model, dict(recompute=(word,)))
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), word
+
+
+# --- never silent about an empty selection --------------------------------------------------------
+
+def _compile_twice(cfg, model, x):
+    """Two graphs compiled by one backend (two input shapes), its warnings and reports."""
+    torch._dynamo.reset()
+    backend = graphpass.backend(codegen="eager", **cfg)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for xx in (x, x[:, :8]):
+            compiled(xx.clone().requires_grad_()).sum().backward()
+    return [str(w.message) for w in caught if issubclass(w.category, EmptySelectionWarning)], backend
+
+
+def test_a_selection_that_finds_nothing_warns_once_per_backend():
+    """A dense block: ``moe`` finds nothing in either graph (one warning, naming it and what it
+    looks for, and each graph's note); ``act`` finds the SwiGLU (no warning); a
+    ``recompute_include`` pattern, an ``fp8_exclude`` pattern and a cache level that match
+    nothing warn too; the default patterns never do."""
+    model = L.build("flat")
+    cfg = dict(recompute=("act", "moe"), recompute_include=("*", "encoder.*"), fp8="tensorwise",
+               fp8_exclude=("lm_head", "*.router", "decoder.*"), fp8_cache="attn",
+               fp8_cache_min_bytes=0)
+    messages, backend = _compile_twice(cfg, model, _x())
+    name = repr(backend)
+    assert sorted(messages) == sorted([
+        f"{name}: recompute='moe' selected nothing in the 1 graph(s) compiled so far; it looks "
+        f"for {LOOKS_FOR['moe']}",
+        f"{name}: recompute_include='encoder.*' selected nothing in the 1 graph(s) compiled so "
+        "far; it looks for module paths of the nodes the recompute words selected",
+        f"{name}: fp8_exclude='decoder.*' selected nothing in the 1 graph(s) compiled so far; it "
+        "looks for module paths of linear layers",
+    ]), messages
+    report = backend.report()
+    assert report.graphs == 2
+    assert report.notes.count("recompute moe: 0 module(s) — nothing in this graph matched") == 2
+    # a second backend warns again; a level that finds something does not
+    messages, _ = _compile_twice(dict(recompute=("moe",)), model, _x())
+    assert len(messages) == 1 and "recompute='moe'" in messages[0]
+    messages, _ = _compile_twice(dict(fp8_cache="act_input", recompute=("layernorm", "core_attn")),
+                                 model, _x())
+    assert messages == []
+
+
+def test_a_cache_level_that_finds_nothing_warns():
+    """``layer_input`` on a block without norms: nothing reads a norm's input."""
+    class NoNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(L.DIM, L.HIDDEN)
+            self.fc2 = torch.nn.Linear(L.HIDDEN, L.DIM)
+
+        def forward(self, x):
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    messages, _ = _compile_twice(dict(fp8_cache="layer_input", fp8_cache_min_bytes=0), NoNorm(), _x())
+    assert len(messages) == 1 and "fp8_cache='layer_input' selected nothing" in messages[0], messages
+    assert "saved tensors a norm reads" in messages[0]

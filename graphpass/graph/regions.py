@@ -328,21 +328,51 @@ class Regions:
         return out
 
     def _linear(self, gemm: fx.Node) -> set[fx.Node]:
-        """A GEMM with the views, casts and quantizes of its operands (its own, not the tensor
-        they read) and the views of its output."""
+        """A GEMM and the views of its output (``_complete`` adds its operands' views, casts and
+        quantizes)."""
         out = {gemm}
-        todo = list(gemm.all_input_nodes)
-        while todo:
-            n = todo.pop()
-            if n in self._node_set and op_name(n) in _OPERAND and n not in self.norms and (
-                    all(u in out or is_backward(u) or u not in self._node_set for u in n.users)):
-                out.add(n)
-                todo += n.all_input_nodes
         users = self._users(gemm)
         while len(users) == 1 and op_name(users[0]) in VIEWS:
             out.add(users[0])
             users = self._users(users[0])
         return out
+
+    def _complete(self, region: set[fx.Node]) -> set[fx.Node]:
+        """``region`` with what prepares its GEMMs' operands for it alone: views, casts and
+        quantizes whose forward readers are all in it (a weight's transpose, an input's 2-D
+        view), the constants only it reads (token indices), and the quantizes and views only
+        the backward reads (wgrad's columnwise copy, dgrad's weight transpose) of a tensor the
+        region reads too."""
+        region = set(region)
+        constant = set()
+        for n in self.nodes:
+            if all(a in constant for a in n.all_input_nodes):
+                constant.add(n)
+        candidates = [n for n in self.nodes if n not in self.norms and (
+            op_name(n) in _OPERAND or op_name(n) == QUANTIZE or n in constant)]
+
+        def read_by_region(node: fx.Node) -> bool:
+            return any(u is not node and u in region for u in node.users)
+        changed = True
+        while changed:
+            changed = False
+            for n in candidates:
+                if n in region:
+                    continue
+                users = self._users(n)
+                if op_name(n) == QUANTIZE:
+                    outputs = [u for u in users if op_name(u) == "getitem"]
+                    backward_only = all(not self._users(g) for g in outputs) and len(outputs) == len(users)
+                    take = (users and all(u in region for u in users)) or (
+                        backward_only and read_by_region(n.args[0]))
+                    if take:
+                        region |= {n, *outputs}
+                        changed = True
+                elif (users and all(u in region for u in users)) or (
+                        not users and op_name(n) in VIEWS and read_by_region(n.args[0])):
+                    region.add(n)
+                    changed = True
+        return region
 
     # --- MoE -----------------------------------------------------------------------------------
 
@@ -357,36 +387,39 @@ class Regions:
             router = max(routers, key=self._order.__getitem__)
             x = _operand_base(router.args[0] if op_name(router) != "aten.addmm" else router.args[1])
             below = self._descendants([x])
-            experts = self.expert_gemms & below & self._descendants([topk])
-            experts |= {g for g in self.expert_gemms & below
-                        if self._descendants([g]) & self._descendants([topk])}
+            routing = self._descendants([topk])
+            weights = self._descendants([u for u in self._users(topk) if u.args[1] == 0])
+            # the experts reading x: reached from it through no norm, attention or dense GEMM
+            # (the next layer's experts are behind its norm)
+            dense = set(self.gemms) - self.expert_gemms
+            reached = _closure([x], self._users, lambda n: n not in self.norms
+                               and n not in self.attention and n not in dense)
+            experts = {g for g in self.expert_gemms & reached if self._descendants([g]) & routing}
             if not experts:
                 continue
-            joins = set.intersection(*(self._descendants([g]) | {g} for g in experts),
-                                     self._descendants([topk]))
+            # the combination: the first node that reads every expert's output and the weights
+            joins = set.intersection(*(self._descendants([g]) | {g} for g in experts), weights)
             if not joins:
                 continue
             combined = min(joins, key=self._order.__getitem__)
+            # then on through what reads only it, the MoE's input and the routing (a sum over the
+            # top k, a scatter back to the tokens, views), and a shared expert added to it; up to
+            # the residual stream
             end, shared_out = combined, []
             while True:
                 users = self._users(end)
                 if len(users) != 1:
                     break
-                user = users[0]
-                if op_name(user) in VIEWS | CASTS:
-                    end = user
-                elif op_name(user) == "aten.add" and len(user.all_input_nodes) == 2:
-                    other = next(a for a in user.all_input_nodes if a is not end)
-                    if other not in below:  # the residual stream
-                        break
-                    shared_out.append(other)
-                    end = user
-                else:
+                others = [a for a in users[0].all_input_nodes if a is not end]
+                if not all(a in below or _param_like(a) for a in others):
                     break
+                shared_out += [a for a in others if a in below and a not in routing]
+                end = users[0]
             region = ((below & self._ancestors([end])) | {end}) - {x}
             shared = set()
             for s in shared_out:
                 shared |= ((below & self._ancestors([s])) | {s}) - self._ancestors([combined]) - {x}
+            shared -= routing
             out.append((region, shared))
         return out
 
@@ -412,11 +445,11 @@ class Regions:
                 for g in feeding | fed:
                     out |= self._linear(g)
                     out |= self._between(g, chain)
-            return out
+            return self._complete(out)
         if word == "moe":
-            return in_moe
+            return self._complete(in_moe)
         if word == "shared_experts":
-            return set().union(*(s for _, s in self.moes))
+            return self._complete(set().union(*(s for _, s in self.moes)))
         if word == "mla_up_proj":
             return self._mla_up_proj()
         raise ValueError(f"unknown recompute selection {word!r}")
@@ -452,7 +485,7 @@ class Regions:
                     if user not in grown and not is_expensive(user) and user in feeds_attention:
                         grown.add(user)
                         todo.append(user)
-        return grown
+        return self._complete(grown)
 
     def layers(self) -> list[str]:
         """Transformer layers in forward order (``layers.0``, ``layers.1``, ...)."""
@@ -474,5 +507,7 @@ def _is_expert_gemm(node: fx.Node) -> bool:
     val = tensor_val(node)
     if val is not None and val.dim() == 3:
         return True
-    return any(isinstance(a, fx.Node) and tensor_val(a) is not None and not tensor_val(a).is_floating_point()
-               for a in (*node.args, *node.kwargs.values()))
+    if op_name(node) == "graphpass.fp8_gemm":  # grouped over tokens: with offsets
+        offs = node.kwargs.get("offs", node.args[9] if len(node.args) > 9 else None)
+        return offs is not None
+    return False

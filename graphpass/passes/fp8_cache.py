@@ -45,6 +45,7 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     assert plan.exact_partition is not None, "the pipeline sets Plan.exact_partition"
     saved, recomputed = plan.exact_partition(joint)
     selected = _select(joint, saved, config.fp8_cache, plan.parameters)
+    plan.count("fp8_cache", config.fp8_cache, len(selected))
     graph = joint.graph
     copies = _lowered_copies(joint)
     small, cached = [], {}

@@ -44,7 +44,10 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
     quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]] = {}
-    for lin in find_linears(joint) + find_grouped(joint) + find_grouped_offsets(joint):
+    linears = find_linears(joint) + find_grouped(joint) + find_grouped_offsets(joint)
+    for pattern in config.fp8_exclude:
+        plan.count("fp8_exclude", pattern, sum(fnmatch.fnmatchcase(lin.module, pattern) for lin in linears))
+    for lin in linears:
         reason = why_not_lowered(lin, config)
         if reason:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)
