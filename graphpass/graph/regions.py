@@ -385,7 +385,8 @@ class Regions:
             if not routers:
                 continue
             router = max(routers, key=self._order.__getitem__)
-            x = _operand_base(router.args[0] if op_name(router) != "aten.addmm" else router.args[1])
+            x = _operand_base(router.args[0] if op_name(router) != "aten.addmm" else router.args[1],
+                              stop=self.norms)
             below = self._descendants([x])
             routing = self._descendants([topk])
             weights = self._descendants([u for u in self._users(topk) if u.args[1] == 0])
@@ -471,7 +472,7 @@ class Regions:
         for g in self.gemms:
             if g in self.expert_gemms or g not in feeds_attention:
                 continue
-            a = _operand_base(g.args[1] if op_name(g) == "aten.addmm" else g.args[0])
+            a = _operand_base(g.args[1] if op_name(g) == "aten.addmm" else g.args[0], stop=self.norms)
             if a not in norm_of:
                 continue
             source = _operand_base(norm_of[a], through_splits=True)
@@ -492,10 +493,13 @@ class Regions:
         return list(dict.fromkeys(layer_of(module_path(n)) for n in self.nodes if layer_of(module_path(n))))
 
 
-def _operand_base(node: fx.Node, *, through_splits: bool = False) -> fx.Node:
-    """The tensor a GEMM operand reads, through views, casts, quantizes and their outputs."""
+def _operand_base(node: fx.Node, *, through_splits: bool = False,
+                  stop: set[fx.Node] = frozenset()) -> fx.Node:
+    """The tensor a GEMM operand reads, through views, casts, quantizes and their outputs, up to
+    a node of ``stop`` (a norm's output cast: the norm's output)."""
     names = _OPERAND | ({"aten.split", "aten.split_with_sizes"} if through_splits else set())
-    while node.op == "call_function" and op_name(node) in names and node.all_input_nodes:
+    while (node.op == "call_function" and op_name(node) in names and node.all_input_nodes
+           and node not in stop):
         node = node.args[0]
     return node
 
