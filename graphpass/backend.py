@@ -17,6 +17,7 @@ from .config import Config
 from .pipeline import run
 from .report import Report
 from .reporting import remember
+from .selections import Selections
 
 class GraphInputs(NamedTuple):
     """What the report needs to know of the inputs of the graph dynamo is compiling."""
@@ -46,18 +47,20 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
     """graphpass's partition as Inductor's ``custom_partitioner_fn``; keeps the report of every
     graph it partitions (``reports``), in order."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, name: str = "graphpass") -> None:
         self.config = config
         self.reports: list[Report] = []
+        self.selections = Selections(config, name)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], *,
                  num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
                  compiler: str = "inductor") -> tuple[fx.GraphModule, fx.GraphModule]:
-        fw, bw, report = run(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                             static_lifetime_input_indices=static_lifetime_input_indices,
-                             config=self.config, compiler=compiler,
-                             input_sources=_graph_inputs.get().sources,
-                             fsdp=_graph_inputs.get().fsdp)
+        fw, bw, report, selected = run(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                       static_lifetime_input_indices=static_lifetime_input_indices,
+                                       config=self.config, compiler=compiler,
+                                       input_sources=_graph_inputs.get().sources,
+                                       fsdp=_graph_inputs.get().fsdp)
+        self.selections.add(selected)
         if report is not None:
             self.reports.append(report)
             remember(report)
@@ -77,10 +80,10 @@ class Backend:
 
     def __init__(self, config: Config, options: dict[str, Any] | None = None) -> None:
         self.config = config
-        self.partitioner = Partitioner(config)
         # The options as the user wrote them: torch repeats this repr in every error that names
         # the backend, where twenty default fields would bury the ones that matter.
         self.options = dict(options) if options is not None else config.changed()
+        self.partitioner = Partitioner(config, repr(self))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())

@@ -166,6 +166,16 @@ class Plan:
     budget_offloads: bool = False
     """Whether the memory budget marked nodes for offload (torch's offloading is then on)."""
 
+    selected: dict[tuple[str, str], int] = field(default_factory=dict)
+    """How many nodes (or linears, or saved tensors) each selection of the config found in this
+    graph: ``("recompute", word)``, ``("recompute_include", pattern)``, ``("fp8_exclude",
+    pattern)``, ``("fp8_cache", level)``; the backend warns about one that finds nothing in any
+    graph (``graphpass/selections.py``)."""
+
+    def count(self, option: str, value: str, found: int) -> None:
+        """Add ``found`` to what the selection ``option=value`` found in this graph."""
+        self.selected[option, value] = self.selected.get((option, value), 0) + found
+
     def decide(self, decision: Decision, *, once: bool = False) -> None:
         """Record a decision for the report; with ``once``, unless an equal one is there already
         (a module's experts are several GEMMs: one note)."""

@@ -45,6 +45,8 @@ class Partition(NamedTuple):
     backward: fx.GraphModule
     report: Report | None
     """None when ``config.report`` is off."""
+    selected: dict[tuple[str, str], int] = {}
+    """What each selection of the config found in this graph (``Plan.selected``)."""
 
 
 def partition(
@@ -64,9 +66,9 @@ def partition(
     saved-tensor report (``graphpass.last_report()``) and returns the forward and backward
     modules in torch's layout.
     """
-    fw, bw, report = run(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                         static_lifetime_input_indices=static_lifetime_input_indices,
-                         config=given(config), compiler=compiler)
+    fw, bw, report, _ = run(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                            static_lifetime_input_indices=static_lifetime_input_indices,
+                            config=given(config), compiler=compiler)
     if report is not None:
         remember(report)
     return fw, bw
@@ -105,4 +107,4 @@ def run(
                          compiler=compiler)
         report = (builder.build(fw, bw, input_sources=input_sources, fsdp=fsdp, assumed=assumed)
                   if config.report else None)
-    return Partition(fw, bw, report)
+    return Partition(fw, bw, report, plan.selected)

@@ -32,7 +32,7 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
     with mode:
         fake_module = _to_fake(module)
         fake_inputs = [_fake_like(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    partitioner = Partitioner(config)
+    partitioner = Partitioner(config, "graphpass.plan")
 
     def planning_backend(gm: torch.fx.GraphModule, inputs: Any):
         with input_sources(gm):

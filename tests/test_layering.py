@@ -1,5 +1,7 @@
 """graphpass's modules import downwards only: no cycle, and no import from a lower layer into a
-higher one. Read from the source (ast), so an import inside a function counts too."""
+higher one. Read from the source (ast), so an import inside a function counts too, and for cycles
+an import under ``if TYPE_CHECKING:`` as well (a module that needs another's types while that one
+calls it is one idea split in two files)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("report",),
     ("fp8", "graph"),
     ("passes",),
-    ("min_cut", "reporting", "pipeline"),
+    ("min_cut", "reporting", "pipeline", "selections"),
     ("backend", "plan", "distributed"),
     ("testing",),
     ("cli_flags", "cli", "__main__", "__init__"),
@@ -36,23 +38,27 @@ def _layer(module: str) -> int:
     raise AssertionError(f"graphpass.{module} is in no layer: add it to LAYERS")
 
 
-def _runtime_nodes(tree: ast.AST):
+def _runtime_nodes(tree: ast.AST, annotations: bool = False):
     """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for annotations only,
-    which never run)."""
+    which never run), unless ``annotations``."""
     for child in ast.iter_child_nodes(tree):
-        if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+        if (not annotations and isinstance(child, ast.If) and isinstance(child.test, ast.Name)
+                and child.test.id == "TYPE_CHECKING"):
             continue
         yield child
-        yield from _runtime_nodes(child)
+        yield from _runtime_nodes(child, annotations)
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    """The graphpass modules ``path`` imports, as names relative to the package."""
+def _imports(path: Path, module: str, *, source: str | None = None, root: Path = ROOT,
+             annotations: bool = False) -> set[str]:
+    """The graphpass modules ``path`` imports, as names relative to the package; ``annotations``:
+    those under ``if TYPE_CHECKING:`` too."""
     package = module.split(".")[:-1] if path.name != "__init__.py" else module.split(".")
     if module == "__init__":
         package = []
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    text = path.read_text(encoding="utf-8") if source is None else source
+    for node in _runtime_nodes(ast.parse(text), annotations):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[:len(package) - node.level + 1]
@@ -63,16 +69,16 @@ def _imports(path: Path, module: str) -> set[str]:
                 continue
             for alias in node.names:  # `from . import _compat` imports a module
                 child = f"{name}.{alias.name}" if name else alias.name
-                found.add(child if (ROOT / (child.replace(".", "/") + ".py")).exists()
-                          or (ROOT / child.replace(".", "/")).is_dir() else name)
+                found.add(child if (root / (child.replace(".", "/") + ".py")).exists()
+                          or (root / child.replace(".", "/")).is_dir() else name)
         elif isinstance(node, ast.Import):
             found |= {a.name.removeprefix("graphpass.") for a in node.names
                       if a.name.startswith("graphpass.")}
     return {f for f in found if f}
 
 
-def _graph() -> dict[str, set[str]]:
-    return {_module(p): _imports(p, _module(p)) for p in sorted(ROOT.rglob("*.py"))}
+def _graph(annotations: bool = False) -> dict[str, set[str]]:
+    return {_module(p): _imports(p, _module(p), annotations=annotations) for p in sorted(ROOT.rglob("*.py"))}
 
 
 def test_no_import_goes_up_a_layer() -> None:
@@ -81,8 +87,7 @@ def test_no_import_goes_up_a_layer() -> None:
     assert not upward, "\n".join(upward)
 
 
-def test_no_import_cycle() -> None:
-    graph = _graph()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     # a package's __init__ re-exporting its own modules is no cycle through them
     edges = {m: {i for i in imports if not i.startswith(m + ".")} for m, imports in graph.items()}
     state: dict[str, int] = {}
@@ -100,4 +105,29 @@ def test_no_import_cycle() -> None:
     for m in sorted(edges):
         if m not in state:
             visit(m, [m])
+    return cycles
+
+
+def test_no_import_cycle() -> None:
+    """Lazy imports included: inside a function, or under ``if TYPE_CHECKING:``."""
+    cycles = _cycles(_graph(annotations=True))
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_lazy_imports_close_a_cycle(tmp_path: Path) -> None:
+    """The cycle finder sees an import inside a function and one under ``TYPE_CHECKING``."""
+    (tmp_path / "pkg").mkdir()
+    sources = {
+        "pkg.a": "def f():\n    from .b import g\n",
+        "pkg.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+        "pkg.c": "import math\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / (name.replace(".", "/") + ".py")).write_text(text)
+    graph = {m: _imports(tmp_path / (m.replace(".", "/") + ".py"), m, root=tmp_path,
+                         annotations=True) for m in sources}
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": set()}
+    assert _cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
+    runtime = {m: _imports(tmp_path / (m.replace(".", "/") + ".py"), m, root=tmp_path)
+               for m in sources}
+    assert _cycles(runtime) == []

@@ -24,7 +24,7 @@ import functools
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -32,6 +32,7 @@ from torch import Tensor
 from .. import _compat
 from . import blockwise_gemm, recipes
 from .cublaslt import check_scaled_grouped_mm, own_scalar, pad_contraction, pad_last
+from .jobs import Job
 
 NAMES = ("te", "scaled_mm", "reference")
 
@@ -325,18 +326,6 @@ def _per_group(scale_inv: Tensor, size: int) -> Tensor:
     """One fp32 scale per group (G scales) given to each of its ``size`` rows or columns: (G, size),
     the layout ``torch._scaled_grouped_mm`` reads its per-row and per-column scales in."""
     return scale_inv.float().reshape(-1, 1).expand(-1, size).contiguous()
-
-
-class Job(NamedTuple):
-    """One GEMM of a grouped or batched GEMM: ``out = dequant(a) @ dequant(b).T (+ bias)``,
-    written into ``out``, a view of the whole result."""
-
-    a: Tensor
-    a_scale_inv: Tensor
-    b: Tensor
-    b_scale_inv: Tensor
-    out: Tensor
-    bias: Optional[Tensor] = None
 
 
 def run_jobs(jobs: list[Job], recipe, a_role, b_role, out_dtype, provider, *,

@@ -24,7 +24,7 @@ from torch import Tensor
 from .cublaslt import own_scalar, pad_contraction
 
 if TYPE_CHECKING:
-    from .providers import Job
+    from .jobs import Job
 
 # The TE entry points graphpass calls, with the keyword arguments it passes; the TE test checks
 # them against the installed TE's real signatures.

@@ -34,7 +34,7 @@ from ..decisions import Cached, Decision, Plan, What, facts, record
 from ..fp8.cache import CACHE_DEQUANTIZE, CACHE_DEQUANTIZE_COPY, CACHE_QUANTIZE, DTYPES
 from ..graph.nodes import is_backward, is_random, module_path, op_name, producer, tensor_val
 from ..graph.ops import CASTS, VIEWS
-from ..graph.regions import Regions, in_norm, is_attention
+from ..graph.regions import Regions, is_attention
 
 BY = "fp8_cache"
 
@@ -45,6 +45,7 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     assert plan.exact_partition is not None, "the pipeline sets Plan.exact_partition"
     saved, recomputed = plan.exact_partition(joint)
     selected = _select(joint, saved, config.fp8_cache, plan.parameters)
+    plan.count("fp8_cache", config.fp8_cache, len(selected))
     graph = joint.graph
     copies = _lowered_copies(joint)
     small, cached = [], {}
@@ -144,9 +145,9 @@ def _select(joint: fx.GraphModule, saved: list[fx.Node], level: str,
         elif level == "act_input":
             take = any(r in acts for r in readers)
         elif level == "attn":
-            take = is_attention(producer(base)) or any(is_attention(r) for r in readers)
+            take = producer(base) in regions.attention or any(r in regions.attention for r in readers)
         else:  # layer_input
-            take = not in_norm(base) and _reaches_norm(base)
+            take = base not in regions.norms and _reaches_norm(base, regions.norms)
         if take:
             out[base] = None
     order = {n: i for i, n in enumerate(joint.graph.nodes)}
@@ -175,14 +176,14 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _reaches_norm(node: fx.Node) -> bool:
+def _reaches_norm(node: fx.Node, norms: set[fx.Node]) -> bool:
     """Whether a norm reads ``node`` in the forward, directly or through residual adds: under
     FP8 lowering the exact plan saves the residual stream's summands (a projection's output)
     rather than their sum, and the backward re-adds them for the norm."""
     todo, seen = [node], {node}
     while todo:
         for reader in _readers(todo.pop()):
-            if in_norm(reader):
+            if reader in norms:
                 return True
             if op_name(reader) == "aten.add" and reader not in seen:
                 seen.add(reader)

@@ -45,8 +45,11 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         return
     quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]] = {}
     plain = find_linears(joint)
+    linears = plain + find_grouped(joint) + find_grouped_offsets(joint)
+    for pattern in config.fp8_exclude:
+        plan.count("fp8_exclude", pattern, sum(fnmatch.fnmatchcase(lin.module, pattern) for lin in linears))
     slower = _slower_in_fp8(plain, config)
-    for lin in plain + find_grouped(joint) + find_grouped_offsets(joint):
+    for lin in linears:
         reason = why_not_lowered(lin, config) or slower.get(lin.fprop)
         if reason:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)

@@ -28,8 +28,12 @@ def recompute(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     boundaries_overruled: list[fx.Node] = []
     for word in config.recompute:
         nodes = _full(regions, config, boundaries_overruled) if word == "full" else regions.select(word)
+        plan.count("recompute", word, len(nodes))
         for node in nodes:
-            if any(fnmatch.fnmatchcase(module_path(node), p) for p in config.recompute_include):
+            matched = [p for p in config.recompute_include if fnmatch.fnmatchcase(module_path(node), p)]
+            for pattern in matched:
+                plan.count("recompute_include", pattern, 1)
+            if matched:
                 selected.setdefault(node, word)
     overruled: dict[str, list[fx.Node]] = {}
     for node, word in selected.items():

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..paths import OUTSIDE_LAYERS
 from .coverage import coverage_lines
 from .peak import peak_lines
 from .totals import format_bytes
 
-if TYPE_CHECKING:
-    from .rows import Report
+
+class Report(Protocol):
+    """What the table reads of a report (``rows.Report``, which calls ``table``)."""
+
+    rows: list
+    notes: list[str]
+    meta: dict[str, Any]
+    activation_bytes: int
+    parameter_bytes: int
+    offloaded_bytes: int
+
+    def bytes_by(self, key: str) -> dict: ...
 
 HEADER = ("name", "op", "module", "shape", "dtype", "bytes", "kind", "backward use", "decision")
 
