@@ -103,7 +103,7 @@ def _checked_scaled_mm(monkeypatch, calls):
     fp32, contiguous, each in its own allocation; K a multiple of 16; a bf16 output."""
     real = _compat.scaled_mm
 
-    def checked(a, b, *, scale_a, scale_b, bias, out_dtype):
+    def checked(a, b, *, scale_a, scale_b, bias, out_dtype, use_fast_accum):
         calls.append((tuple(a.shape), tuple(b.shape)))
         assert a.dtype == b.dtype == recipes.E4M3
         assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0
@@ -113,7 +113,8 @@ def _checked_scaled_mm(monkeypatch, calls):
             assert s.dtype == torch.float32 and s.is_contiguous() and s.storage_offset() == 0
         assert out_dtype == torch.bfloat16
         assert bias is None or bias.dtype == torch.bfloat16
-        return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                    use_fast_accum=use_fast_accum)
 
     monkeypatch.setattr(_compat, "scaled_mm", checked)
 
@@ -271,9 +272,10 @@ def test_grouped_calls_pass_torchs_own_checks():
 
     seen = []
 
-    def fake_kernel(a, b, *, scale_a, scale_b, offs, out_dtype):
+    def fake_kernel(a, b, *, scale_a, scale_b, offs, out_dtype, use_fast_accum):
         seen.append(f"{a.dim()}d x {b.dim()}d")
-        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype,
+                                        use_fast_accum=use_fast_accum)
 
     e4 = recipes.E4M3
     with FakeTensorMode(), pytest.MonkeyPatch.context() as m:
