@@ -49,6 +49,7 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
     def __init__(self, config: Config) -> None:
         self.config = config
         self.reports: list[Report] = []
+        self.options_from: str | None = None  # a backend chosen by name: the name and variable
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], *,
                  num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
@@ -59,6 +60,8 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
                              input_sources=_graph_inputs.get().sources,
                              fsdp=_graph_inputs.get().fsdp)
         if report is not None:
+            if self.options_from:
+                report.meta["options_from"] = self.options_from
             self.reports.append(report)
             remember(report)
         return fw, bw
@@ -75,9 +78,11 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
 class Backend:
     """A torch.compile backend; ``graphpass.backend(**options)`` makes one."""
 
-    def __init__(self, config: Config, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: Config, options: dict[str, Any] | None = None, *,
+                 options_from: str | None = None) -> None:
         self.config = config
         self.partitioner = Partitioner(config)
+        self.partitioner.options_from = options_from
         # The options as the user wrote them: torch repeats this repr in every error that names
         # the backend, where twenty default fields would bury the ones that matter.
         self.options = dict(options) if options is not None else config.changed()
@@ -166,20 +171,3 @@ def backend(**options: Any) -> Backend:
     ValueError naming the valid ones.
     """
     return Backend(Config.from_options(**options), options)
-
-
-def default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """``backend="graphpass"``: the default options (also the ``torch_dynamo_backends`` entry point)."""
-    return backend()(gm, example_inputs)
-
-
-def register() -> None:
-    """Make ``backend="graphpass"`` work when graphpass is not installed (source tree).
-
-    When installed, torch finds the ``torch_dynamo_backends`` entry point itself and registers the
-    name on first use; registering here too would make torch's registry refuse the duplicate.
-    """
-    from importlib.metadata import entry_points
-
-    if not entry_points(group="torch_dynamo_backends", name="graphpass"):
-        _compat.register_backend("graphpass", default_backend)

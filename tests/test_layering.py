@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("min_cut", "reporting", "pipeline"),
     ("backend", "plan", "distributed"),
     ("testing",),
-    ("cli_flags", "cli", "__main__", "__init__"),
+    ("cli_flags", "named", "cli", "__main__", "__init__"),
 )
 
 
