@@ -4,7 +4,7 @@
 # Other torch versions each get their own virtualenv: `make test TORCH=2.11.0` uses .venv-2.11.0,
 # `make test TORCH=2.14.1` uses .venv-2.14.1 (.ci/run runs all of TORCH_VERSIONS).
 PYTHON ?= python3
-TORCH_VERSIONS := 2.11.0 2.13.0 2.14.1
+TORCH_VERSIONS := 2.11.0 2.13.0 2.14.1 2.15.0
 TORCH ?= 2.13.0
 ifeq ($(filter $(TORCH),$(TORCH_VERSIONS)),)
 $(error TORCH=$(TORCH) is not a tested version; use one of: $(TORCH_VERSIONS))
@@ -18,6 +18,12 @@ else
 VENV := .venv-$(TORCH)
 endif
 PY     := $(VENV)/bin/python
+# torchtitan (tests/test_trainer_torchtitan.py) without its declared dependencies, which its
+# models never import (datasets, tensorboard, wandb, torchdata, torch_checkpointing: hundreds of
+# MB); what they do import is listed. Its models import triton, which the CUDA wheels bring and
+# the 2.13.0 CPU wheel does not.
+TITAN  := "torchtitan==0.3.0"
+TITAN_DEPS := "spmd_types==0.2.3" tyro einops $(if $(filter 2.13.0,$(TORCH)),"triton==3.7.1")
 # Workers for the suite: pytest-xdist's -n (auto: one per CPU core); PYTEST_WORKERS=0 runs serially.
 # --dist worksteal: an idle worker takes queued tests from a busy one, so the few minute-long
 # tests (Inductor compiles, training runs) do not leave one core idle at the end.
@@ -32,10 +38,12 @@ setup: $(VENV)/.installed
 # One pip run installs torch and the test extras (one resolution; a torch already at $(TORCH),
 # a +cpu build included, is kept). --no-compile: byte-compiling every installed module (torch,
 # transformers, sympy: over 10,000 files) costs more than compiling the ones the suite imports.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile "torch==$(TORCH)" -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps $(TITAN)
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile "torch==$(TORCH)" $(TITAN_DEPS)
 	touch $@
 
 demo: setup
