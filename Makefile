@@ -2,7 +2,8 @@
 #   make demo   create .venv, install graphpass and its dependencies, run the main job
 #   make test   same set-up, then the whole test suite
 # Other torch versions each get their own virtualenv: `make test TORCH=2.11.0` uses .venv-2.11.0,
-# `make test TORCH=2.14.1` uses .venv-2.14.1 (.ci/run runs all of TORCH_VERSIONS).
+# `make test TORCH=2.15.0` uses .venv-2.15.0 (.ci/run runs 2.13.0, 2.11.0 and 2.15.0). Each
+# version's pin is requirements/torch-<version>.txt.
 PYTHON ?= python3
 TORCH_VERSIONS := 2.11.0 2.13.0 2.14.1 2.15.0
 TORCH ?= 2.13.0
@@ -10,7 +11,8 @@ ifeq ($(filter $(TORCH),$(TORCH_VERSIONS)),)
 $(error TORCH=$(TORCH) is not a tested version; use one of: $(TORCH_VERSIONS))
 endif
 # The default version lives in .venv, the README's one environment; 2.13.0 is a CPU wheel.
-# 2.11.0 and 2.14.1 come from PyPI as CUDA builds (several GB), which run on a CPU-only machine.
+# 2.11.0, 2.14.1 and 2.15.0 come from PyPI as CUDA builds (several GB), which run on a CPU-only
+# machine.
 # Never an unpinned torch: it would pull whatever is newest, untested.
 ifeq ($(TORCH),2.13.0)
 VENV := .venv
@@ -38,12 +40,12 @@ setup: $(VENV)/.installed
 # One pip run installs torch and the test extras (one resolution; a torch already at $(TORCH),
 # a +cpu build included, is kept). --no-compile: byte-compiling every installed module (torch,
 # transformers, sympy: over 10,000 files) costs more than compiling the ones the suite imports.
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile requirements/torch-$(TORCH).txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile "torch==$(TORCH)" -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt -e ".[test]"
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps $(TITAN)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile "torch==$(TORCH)" $(TITAN_DEPS)
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt $(TITAN_DEPS)
 	touch $@
 
 demo: setup

@@ -107,7 +107,6 @@ def test_trainer_trains_with_graphpass_fp8(build, tmp_path):
     first = backend.partitioner.reports[0]
     assert (first.activation_bytes, first.bytes_by("kind")) == \
         (by_hand.report().activation_bytes, by_hand.report().bytes_by("kind"))
-    print(f"{len(backend.partitioner.reports)} graphs")
     print(f"{build.__name__[1:]}: losses {losses}; saved {report.activation_bytes:,} B; " + next(
         line for line in report.table().splitlines() if line.startswith("fp8:")))
 
