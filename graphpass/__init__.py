@@ -14,7 +14,7 @@ from .reporting import last_report
 from .plan import plan
 from .report import Report, Row
 
-from .backend import register as _register
+from .named import register as _register
 
 _register()
 
