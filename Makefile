@@ -2,15 +2,17 @@
 #   make demo   create .venv, install graphpass and its dependencies, run the main job
 #   make test   same set-up, then the whole test suite
 # Other torch versions each get their own virtualenv: `make test TORCH=2.11.0` uses .venv-2.11.0,
-# `make test TORCH=2.14.1` uses .venv-2.14.1 (.ci/run runs all of TORCH_VERSIONS).
+# `make test TORCH=2.15.0` uses .venv-2.15.0 (.ci/run runs 2.13.0, 2.11.0 and 2.15.0). Each
+# version's pin is requirements/torch-<version>.txt.
 PYTHON ?= python3
-TORCH_VERSIONS := 2.11.0 2.13.0 2.14.1
+TORCH_VERSIONS := 2.11.0 2.13.0 2.14.1 2.15.0
 TORCH ?= 2.13.0
 ifeq ($(filter $(TORCH),$(TORCH_VERSIONS)),)
 $(error TORCH=$(TORCH) is not a tested version; use one of: $(TORCH_VERSIONS))
 endif
 # The default version lives in .venv, the README's one environment; 2.13.0 is a CPU wheel.
-# 2.11.0 and 2.14.1 come from PyPI as CUDA builds (several GB), which run on a CPU-only machine.
+# 2.11.0, 2.14.1 and 2.15.0 come from PyPI as CUDA builds (several GB), which run on a CPU-only
+# machine.
 # Never an unpinned torch: it would pull whatever is newest, untested.
 ifeq ($(TORCH),2.13.0)
 VENV := .venv
@@ -18,6 +20,12 @@ else
 VENV := .venv-$(TORCH)
 endif
 PY     := $(VENV)/bin/python
+# torchtitan (tests/test_trainer_torchtitan.py) without its declared dependencies, which its
+# models never import (datasets, tensorboard, wandb, torchdata, torch_checkpointing: hundreds of
+# MB); what they do import is listed. Its models import triton, which the CUDA wheels bring and
+# the 2.13.0 CPU wheel does not.
+TITAN  := "torchtitan==0.3.0"
+TITAN_DEPS := "spmd_types==0.2.3" tyro einops $(if $(filter 2.13.0,$(TORCH)),"triton==3.7.1")
 # Workers for the suite: pytest-xdist's -n (auto: one per CPU core); PYTEST_WORKERS=0 runs serially.
 # --dist worksteal: an idle worker takes queued tests from a busy one, so the few minute-long
 # tests (Inductor compiles, training runs) do not leave one core idle at the end.
@@ -32,10 +40,12 @@ setup: $(VENV)/.installed
 # One pip run installs torch and the test extras (one resolution; a torch already at $(TORCH),
 # a +cpu build included, is kept). --no-compile: byte-compiling every installed module (torch,
 # transformers, sympy: over 10,000 files) costs more than compiling the ones the suite imports.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile requirements/torch-$(TORCH).txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile "torch==$(TORCH)" -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps $(TITAN)
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt $(TITAN_DEPS)
 	touch $@
 
 demo: setup

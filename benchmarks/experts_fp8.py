@@ -14,7 +14,7 @@ share, the GEMM launches and device copies per step (a per-expert loop shows as 
 each per expert), and its top kernels.
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes with Inductor replaced by eager code
-generation, so the script cannot rot between GPU loans; its numbers are CPU numbers, it counts
+generation, so the script cannot rot between GPU runs; its numbers are CPU numbers, it counts
 graph ops instead of kernels (FP8 GEMM ops and ``_scaled_mm`` calls; ``index_copy_`` as copies),
 and it judges no target. ``--cases`` picks some of ``experts_8k experts_32k deepseek``.
 """
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
 from _harness import Result, measure, reason  # noqa: E402
 
-# The issue's targets ("Done when"): FP8 rowwise against bf16 in the same run.
+# The speed targets: FP8 rowwise against bf16 in the same run.
 TARGETS = {"experts, 32,768 tokens": 1.25, "experts, 8,192 tokens": 1.0, "DeepSeek-V3 layer": 0.9}
 
 

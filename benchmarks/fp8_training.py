@@ -2,7 +2,7 @@
 
     python benchmarks/fp8_training.py [--steps 200] [--codegen eager] [--model deepseek]
     python benchmarks/fp8_training.py --model deepseek --recipes tensorwise rowwise --seeds 3
-    python benchmarks/fp8_training.py --cache      # the FP8 activation cache's levels (issue 12)
+    python benchmarks/fp8_training.py --cache      # the FP8 activation cache's levels
     python benchmarks/fp8_training.py --cache --seeds 5   # over seeds 0..4 (model init and data)
     python benchmarks/fp8_training.py --cache --model deepseek   # the tiny DeepSeek (MLA + MoE)
     python benchmarks/fp8_training.py --cache --grad-errors   # one step's gradient error per weight
@@ -12,7 +12,7 @@ The same task and model as tests/test_fp8_training.py (which asserts each recipe
 bf16); this prints the numbers. ``--cache`` trains, on the same data, the exact FP8 run
 (tensorwise), each ``fp8_cache`` level on top of it, and torch's own activation quantization
 behind the same exact plan, and prints each final loss, its gap to the exact FP8 run and the
-issue's PASS/FAIL lines (tests/test_fp8_cache_training.py asserts them on a shorter run).
+cache's PASS/FAIL lines (tests/test_fp8_cache_training.py asserts them on a shorter run).
 ``--seeds N`` repeats everything for seeds ``--first-seed``..+N-1 (seed ``s`` builds the model's
 weights from ``s`` and draws the data from ``s``) and prints, per run, the loss per seed, the
 gap of the mean loss over seeds to the exact run's (what the targets judge: the expected loss
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 import graphpass  # noqa: E402
 from graphpass.config import FP8CacheFormat  # noqa: E402
-# torch's activation quantization as issue 12 compares it (all sizes, e5m2, scaled) and the cache
+# torch's activation quantization as the cache's targets compare it (all sizes, e5m2, scaled) and the cache
 # levels: the same as the byte benchmark's
 from benchmarks.memory import CACHE_LEVELS as LEVELS  # noqa: E402
 from benchmarks.memory import TORCH_AQ  # noqa: E402

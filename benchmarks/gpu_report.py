@@ -13,7 +13,7 @@ offload; PASS/FAIL lines for the targets (``TARGETS`` below).
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes with graphpass's reference kernels and
 aot_eager in place of Inductor (and 2 offload layers instead of 4), so the script cannot rot
-between GPU loans. Its numbers are CPU
+between GPU runs. Its numbers are CPU
 numbers and every section says so; memory is not measured on the CPU.
 """
 
@@ -341,7 +341,7 @@ def judge(report: Report, by_model: dict[str, list[Row]], off: tuple[Result, Res
                   f"{slow - 1:+.1%}" if slow else "a row did not run")
 
 
-# -- the step's predicted peak and the memory budget (issue 24) ------------------------------------
+# -- the step's predicted peak and the memory budget ------------------------------------
 
 PEAK_TOLERANCE = 0.05
 BUDGET_SHARE = 0.60  # of the unbudgeted peak

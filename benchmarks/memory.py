@@ -11,7 +11,7 @@ of the step's FLOPs. No GPU is needed: ``graphpass.plan`` traces and partitions 
 tensors. The "lower bound" is torch's min-cut when every op but GEMMs, attention and random ops
 may be recomputed, with no recompute budget: no plan that keeps those ops saved saves less.
 
-``--cache`` adds the lossy rows (issue 12): graphpass auto with ``fp8_cache`` at each level, and
+``--cache`` adds the lossy rows: graphpass auto with ``fp8_cache`` at each level, and
 torch's own activation quantization (``post_grad_fusion_options["activation_quantization_aten_pass"]``
 with all sizes, e5m2, scaled), alone (behind torch's default partitioner, bf16) and behind
 graphpass's exact plan. torch's pass runs inside the min-cut partitioner, so it works under fake
@@ -96,7 +96,7 @@ def policies(model: str, fp8: str, cache: bool = False) -> dict[str, dict | str 
         return exact
     lossy = {f"graphpass auto + fp8_cache={level}": dict(fp8=fp8, fp8_cache=level)
              for level in CACHE_LEVELS}
-    # all in the per-tensor E4M3 format, one of the issue's comparison formats: its bytes against
+    # all in the per-tensor E4M3 format, one of the cache's comparison formats: its bytes against
     # torch's pass, whose per-row scales sit between it and the 1x128 default in granularity
     lossy[ALL_PER_TENSOR] = dict(fp8=fp8, fp8_cache="all", fp8_cache_format="e4m3_tensor")
     lossy["torch's activation quantization (bf16, torch default partitioner)"] = dict(
@@ -173,7 +173,7 @@ def table(results: dict[str, list[Result]], *, markdown: bool) -> str:
 
 
 def check(results: dict[str, list[Result]]) -> list[str]:
-    """The targets of the memory issue, each as a line saying whether it holds."""
+    """The memory targets, each as a line saying whether it holds."""
     lines = []
     for model, res in results.items():
         by = {r.policy: r.bytes for r in res}
@@ -285,7 +285,7 @@ def byte_reason(rows: list[tuple[str, dict, dict]],
 
 
 def check_cache(results: dict[str, list[Result]]) -> list[str]:
-    """The byte targets of issue 12 (the FP8 activation cache), each as a PASS/FAIL line."""
+    """The byte targets of the FP8 activation cache, each as a PASS/FAIL line."""
     lines = []
     for model, res in results.items():
         by = {r.policy: r for r in res}

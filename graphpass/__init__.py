@@ -13,10 +13,11 @@ from .pipeline import partition
 from .reporting import last_report
 from .plan import plan
 from .report import Report, Row
+from .selections import EmptySelectionWarning
 
-from .backend import register as _register
+from .named import register as _register
 
 _register()
 
-__all__ = ["backend", "Config", "Decision", "partition", "plan", "last_report", "Report", "Row",
-           "What", "__version__"]
+__all__ = ["backend", "Config", "Decision", "EmptySelectionWarning", "partition", "plan",
+           "last_report", "Report", "Row", "What", "__version__"]

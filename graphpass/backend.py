@@ -51,6 +51,7 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
         self.config = config
         self.reports: list[Report] = []
         self.selections = Selections(config, name)
+        self.options_from: str | None = None  # a backend chosen by name: the name and variable
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], *,
                  num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
@@ -62,6 +63,8 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
                                        fsdp=_graph_inputs.get().fsdp)
         self.selections.add(selected)
         if report is not None:
+            if self.options_from:
+                report.meta["options_from"] = self.options_from
             self.reports.append(report)
             remember(report)
         return fw, bw
@@ -78,12 +81,14 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
 class Backend:
     """A torch.compile backend; ``graphpass.backend(**options)`` makes one."""
 
-    def __init__(self, config: Config, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: Config, options: dict[str, Any] | None = None, *,
+                 options_from: str | None = None) -> None:
         self.config = config
         # The options as the user wrote them: torch repeats this repr in every error that names
         # the backend, where twenty default fields would bury the ones that matter.
         self.options = dict(options) if options is not None else config.changed()
-        self.partitioner = Partitioner(config, repr(self))
+        self.partitioner = Partitioner(config, options_from or repr(self))
+        self.partitioner.options_from = options_from
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
@@ -169,20 +174,3 @@ def backend(**options: Any) -> Backend:
     ValueError naming the valid ones.
     """
     return Backend(Config.from_options(**options), options)
-
-
-def default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """``backend="graphpass"``: the default options (also the ``torch_dynamo_backends`` entry point)."""
-    return backend()(gm, example_inputs)
-
-
-def register() -> None:
-    """Make ``backend="graphpass"`` work when graphpass is not installed (source tree).
-
-    When installed, torch finds the ``torch_dynamo_backends`` entry point itself and registers the
-    name on first use; registering here too would make torch's registry refuse the duplicate.
-    """
-    from importlib.metadata import entry_points
-
-    if not entry_points(group="torch_dynamo_backends", name="graphpass"):
-        _compat.register_backend("graphpass", default_backend)

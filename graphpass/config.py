@@ -63,8 +63,10 @@ class Config:
     fuse_quantize: bool = True
     """With ``codegen="inductor"`` and ``fp8="tensorwise"`` or ``"rowwise"``: after the
     partition, inline each quantize's recipe so Inductor fuses its amax, scale and cast with
-    the neighbouring ops (and rounds as eager does, so the FP8 bits are unchanged). ``False``
-    keeps each quantize one opaque op."""
+    the neighbouring ops, gradients' quantizes included. It reads the bf16-rounded value eager
+    reads (bit-identical to the opaque op on the CPU); the contract is each dequantized value
+    within one FP8 ulp of the opaque op's (docs/fp8.md#exactness). ``False`` keeps each quantize
+    one opaque op, for debugging."""
 
     fp8_all_gather: bool = True
     """With ``fp8="tensorwise"`` under sequence parallelism: quantize each rank's shard before the
@@ -182,8 +184,8 @@ class Config:
             raise ValueError(
                 "invalid graphpass option fp8='delayed': DelayedScaling keeps amax history as "
                 "state across steps, which torch.compile cannot trace (Transformer Engine refuses "
-                "it under compile too); use fp8='tensorwise' (current scaling), 'blockwise' or "
-                "'mxfp8'"
+                "it under compile too); use fp8='tensorwise' (current scaling), 'rowwise', "
+                "'blockwise' or 'mxfp8'"
             )
         for name, valid in CHOICES.items():
             _choice(name, getattr(self, name), valid)

@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("min_cut", "reporting", "pipeline", "selections"),
     ("backend", "plan", "distributed"),
     ("testing",),
-    ("cli_flags", "cli", "__main__", "__init__"),
+    ("cli_flags", "named", "cli", "__main__", "__init__"),
 )
 
 

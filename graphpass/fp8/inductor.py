@@ -118,7 +118,7 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
 
 
 def inline_quantizes(graph: fx.Graph) -> int:
-    """Replace every tensorwise ``graphpass::quantize`` in ``graph`` by its recipe's ops."""
+    """Replace every tensorwise and rowwise ``graphpass::quantize`` in ``graph`` by its recipe's ops."""
     return _patterns().apply(graph)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ..config import Config
 from ..paths import OUTSIDE_LAYERS
 from .coverage import coverage_lines
 from .peak import peak_lines
@@ -22,6 +23,7 @@ class Report(Protocol):
 
     def bytes_by(self, key: str) -> dict: ...
 
+_DEFAULTS = Config().as_dict()
 HEADER = ("name", "op", "module", "shape", "dtype", "bytes", "kind", "backward use", "decision")
 
 
@@ -53,5 +55,9 @@ def table(report: Report, *, max_consumers: int = 3) -> str:
     layers = report.bytes_by("layer")
     if len(layers) > 1 or OUTSIDE_LAYERS not in layers:
         lines += [f"  {layer}: {format_bytes(b)}" for layer, b in layers.items()]
+    if report.meta.get("options_from"):
+        changed = ", ".join(f"{k}={v!r}" for k, v in report.meta.get("config", {}).items()
+                            if v != _DEFAULTS.get(k))
+        lines.append(f"options: {changed or 'defaults'} (from {report.meta['options_from']})")
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
