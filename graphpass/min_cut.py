@@ -71,20 +71,28 @@ def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan
 _JOINT_NODE = "graphpass_joint_node"
 
 
+def _partition_marked(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan,
+                      config: Config, **partitioner_args: Any
+                      ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's min-cut of a copy of ``joint``, each node of the two graphs carrying the joint
+    node it comes from in ``meta[_JOINT_NODE]`` (torch copies node metadata into both graphs)."""
+    for node in joint.graph.nodes:
+        node.meta[_JOINT_NODE] = node
+    try:
+        return _partition(_copy(joint), joint_inputs, plan=plan, config=config,
+                          **partitioner_args)
+    finally:
+        for node in joint.graph.nodes:
+            node.meta.pop(_JOINT_NODE, None)
+
+
 def exact_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan,
                     config: Config, **partitioner_args: Any
                     ) -> tuple[list[fx.Node], set[fx.Node]]:
     """torch's min-cut of a copy of ``joint`` as tagged so far: the joint nodes the forward
     saves, and the joint forward nodes the backward recomputes (``Plan.exact_partition``).
     Each joint node is found through a metadata key, which torch copies into both graphs."""
-    for node in joint.graph.nodes:
-        node.meta[_JOINT_NODE] = node
-    try:
-        fw, bw = _partition(_copy(joint), joint_inputs, plan=plan, config=config,
-                            **partitioner_args)
-    finally:
-        for node in joint.graph.nodes:
-            node.meta.pop(_JOINT_NODE, None)
+    fw, bw = _partition_marked(joint, joint_inputs, plan=plan, config=config, **partitioner_args)
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
     num_fwd_outputs = partitioner_args["num_fwd_outputs"]
     saved = [n.meta[_JOINT_NODE] for n in outputs[num_fwd_outputs:]
@@ -100,14 +108,7 @@ def partition_peak(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: 
     """torch's min-cut of a copy of ``joint`` as tagged so far: the step's predicted peak
     (``graph/peak.py``) and the joint nodes it saves, by the name the forward gives them
     (``Plan.predict_peak``)."""
-    for node in joint.graph.nodes:
-        node.meta[_JOINT_NODE] = node
-    try:
-        fw, bw = _partition(_copy(joint), joint_inputs, plan=plan, config=config,
-                            **partitioner_args)
-    finally:
-        for node in joint.graph.nodes:
-            node.meta.pop(_JOINT_NODE, None)
+    fw, bw = _partition_marked(joint, joint_inputs, plan=plan, config=config, **partitioner_args)
     num_fwd_outputs = partitioner_args["num_fwd_outputs"]
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
     saved = {n.name: n.meta[_JOINT_NODE] for n in outputs[num_fwd_outputs:]
