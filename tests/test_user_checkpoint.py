@@ -29,7 +29,7 @@ def _step(make, backend):
     return grads, backend.partitioner.reports if backend else []
 
 
-def _assert_bit_identical(got, expected):
+def _assert_same_arithmetic(got, expected):
     """The same saved set as torch's own partition (asserted by each test), so the same
     arithmetic; Inductor's C++ code of the two compiles may still group reductions differently on
     some CPUs (2.3e-10 to 3e-8 apart on the tiny HF Llama, torch 2.13, an AMD EPYC without
@@ -65,7 +65,7 @@ def hf_llama_inductor_grads(tmp_path_factory):
 def test_hugging_face_gradient_checkpointing_is_respected(hf_llama_inductor_grads):
     expected = hf_llama_inductor_grads
     got, reports = _step(_hf_llama, graphpass.backend())
-    _assert_bit_identical(got, expected)
+    _assert_same_arithmetic(got, expected)
     body = reports[0]  # the decoder; the loss head is a second graph after a graph break
     # Each checkpointed layer saves only its input: the embedding (layer 0's input), layer 0's
     # output (layer 1's input), each 2x16x64 fp32 = 8,192 B; besides them only the token ids
@@ -126,7 +126,8 @@ def test_selective_checkpoint_policy_wins_with_notes():
     # "act" wants GELU recomputed, the user's policy saves it; the planner wants the GEMMs saved,
     # the user's policy recomputes them
     got, reports = _step(_sac_mlp, graphpass.backend(recompute=("act",), memory="auto"))
-    _assert_bit_identical(got, expected)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in got)
     report = reports[0]
     assert "recompute act: kept your checkpoint policy (MUST_SAVE) over MUST_RECOMPUTE on 5 node(s) in act" in report.notes
     assert "planner: kept your checkpoint policy (PREFER_RECOMPUTE) over MUST_SAVE on 2 node(s) in down, up" in report.notes
@@ -140,7 +141,7 @@ def test_selective_checkpoint_policy_wins_with_notes():
 def test_full_recompute_inside_user_checkpoint_keeps_the_users_tags(hf_llama_inductor_grads):
     expected = hf_llama_inductor_grads
     got, reports = _step(_hf_llama, graphpass.backend(recompute=("full",)))
-    _assert_bit_identical(got, expected)
+    _assert_same_arithmetic(got, expected)
     notes = reports[0].notes
     assert any(n.startswith("recompute full: kept your checkpoint policy (PREFER_RECOMPUTE) over "
                             "MUST_RECOMPUTE on ") for n in notes)
