@@ -680,8 +680,14 @@ def test_blockwise_scale_layouts_pass_torchs_checks(gemm):
 
     out = call(layouts[0], layouts[2])
     assert out.shape == (a.shape[0], b.shape[0]) and out.device.type == "cuda"
-    with pytest.raises(RuntimeError, match="blockwise scaling"):
-        call(sa, layouts[2])  # (M, K/128) row-major: torch wants it column-major
+    # (M, K/128) row-major: torch wants it column-major. torch 2.11-2.14's meta function refuses
+    # it; 2.15's accepts it (whether its CUDA kernel still refuses it takes a GPU to tell), so
+    # there the positive call above is the whole check.
+    if _compat.TORCH_VERSION < (2, 15):
+        with pytest.raises(RuntimeError, match="blockwise scaling"):
+            call(sa, layouts[2])
+    else:
+        call(sa, layouts[2])
 
 
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
