@@ -553,7 +553,15 @@ def register_backend(name: str, compiler_fn: Callable[..., Any]) -> None:
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor,
               bias: torch.Tensor | None, out_dtype: torch.dtype,
               use_fast_accum: bool = False) -> torch.Tensor:
-    """torch's FP8 GEMM (``torch._scaled_mm``), tensorwise scales."""
+    """torch's FP8 GEMM (``torch._scaled_mm``), tensorwise or rowwise scales. torch 2.11's CPU
+    kernel (oneDNN) takes one scale per tensor only: there a rowwise call is its arithmetic, the
+    dequantized operands multiplied in fp32 and rounded once (what 2.13's CPU kernel computes)."""
+    if (a.device.type == "cpu" and TORCH_VERSION < (2, 13)
+            and (scale_a.numel() != 1 or scale_b.numel() != 1)):
+        out = (a.float() * scale_a) @ (b.float() * scale_b)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
                             use_fast_accum=use_fast_accum)
 

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import graphpass
+from graphpass import _compat
 from examples import deepseek, gpt, llama
 
 UNOPTIMISED = dict(save_original="never", memory="default")  # TE-style FP8 + torch's min-cut
@@ -141,6 +142,10 @@ def test_passes_are_bit_identical(module, fp8):
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
 
 
+@pytest.mark.skipif(not _compat.inductor_rounds_fused_casts(device_types=["cpu"]),
+                    reason="this torch's Inductor CPU code fuses no quantize (fusion_notes), and "
+                    "its bf16 steps are no reference: torch 2.11's gradients of the tiny Llama "
+                    "layer are 76-100% away from aot_eager's with torch's own backends")
 def test_memory_plans_are_bit_identical_under_fused_quantizes():
     """The contract under Inductor with every tensorwise quantize fused (the default): memory
     plans that save different tensors (FP8 copies or originals, torch's min-cut or the planner,
