@@ -495,45 +495,18 @@ def test_block_recipes_stay_one_op_under_the_users_post_grad_pass():
     assert len(seen) == 2 and all(seen)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("mode,expected", [
     ("te", {"forward": True, "dgrad": False, "wgrad": False}),
     ("fast", {"forward": True, "dgrad": True, "wgrad": True}),
     ("precise", {"forward": False, "dgrad": False, "wgrad": False}),
 ])
-def test_scaled_mm_accumulates_per_gemm_role(mode, expected, monkeypatch):
+def test_scaled_mm_accumulates_per_gemm_role(recipe, mode, expected, monkeypatch):
     """``fp8_accumulate``: torch._scaled_mm gets ``use_fast_accum`` per GEMM role, by default
     (``"te"``) fast for the forward and precise for dgrad and wgrad, as TE and torchao set it.
-    The roles are read from the operands: the forward multiplies two E4M3 tensors, dgrad an E5M2
-    gradient by the (K, N) weight, wgrad the (N, M) gradient by the (K, M) input."""
-    calls, real = [], _compat.scaled_mm
-
-    def record(a, b, **kw):
-        if a.dtype == recipes.E4M3:
-            role = "forward"
-        else:
-            role = "dgrad" if b.shape[0] == 128 else "wgrad"  # b: (K, N).t() or (K, M).t()
-        calls.append((role, kw["use_fast_accum"]))
-        return real(a, b, **kw)
-
-    monkeypatch.setattr(_compat, "scaled_mm", record)
-    torch.manual_seed(0)
-    lin = nn.Linear(256, 128, bias=False)  # x (64, 256): M=64, K=256, N=128
-    x = torch.randn(64, 256, requires_grad=True)
-    options = {} if mode == "te" else {"fp8_accumulate": mode}
-    compiled = torch.compile(lin, backend=graphpass.backend(
-        codegen="eager", fp8="tensorwise", kernels="scaled_mm", **options))
-    compiled(x).sum().backward()
-    assert sorted(calls) == sorted(expected.items())
-
-
-@pytest.mark.parametrize("mode,expected", [
-    ("te", {"forward": True, "dgrad": False, "wgrad": False}),
-    ("precise", {"forward": False, "dgrad": False, "wgrad": False}),
-])
-def test_rowwise_scaled_mm_accumulates_per_gemm_role(mode, expected, monkeypatch):
-    """Under ``fp8="rowwise"`` every operand is E4M3, so the roles are read from the shapes of a
-    (M=64, K=256, N=128): the forward's a is x (64, 256), dgrad's the gradient (64, 128), wgrad's
-    the gradient transposed (128, 64)."""
+    The roles are read from the shape of the first operand (rowwise makes every operand E4M3,
+    so dtypes cannot tell): with M=64, K=256, N=128 the forward's is x (64, 256), dgrad's the
+    gradient (64, 128), wgrad's the gradient transposed (128, 64)."""
     calls, real = [], _compat.scaled_mm
     roles = {(64, 256): "forward", (64, 128): "dgrad", (128, 64): "wgrad"}
 
@@ -547,7 +520,7 @@ def test_rowwise_scaled_mm_accumulates_per_gemm_role(mode, expected, monkeypatch
     x = torch.randn(64, 256, requires_grad=True)
     options = {} if mode == "te" else {"fp8_accumulate": mode}
     compiled = torch.compile(lin, backend=graphpass.backend(
-        codegen="eager", fp8="rowwise", kernels="scaled_mm", **options))
+        codegen="eager", fp8=recipe, kernels="scaled_mm", **options))
     compiled(x).sum().backward()
     assert sorted(calls) == sorted(expected.items())
 
