@@ -35,6 +35,7 @@ from .. import _compat
 from .._compat import size_hint
 from ..config import Config
 from ..decisions import Decision, Plan, What
+from ..fp8 import cost
 from ..graph.flops import node_flops, step_flops
 from ..graph.nodes import is_random, module_path, op_name, producer
 from ..graph.regions import forward_calls
@@ -54,11 +55,11 @@ H100_MEMORY = 80 * 2**30
 class Roofline:
     """A device's rates, for the time a choice adds (H100 SXM by default)."""
 
-    flops: float = 989e12
-    """Dense bf16 tensor-core FLOP/s (FP8: twice that)."""
+    flops: float = cost.H100.bf16_flops
+    """Dense bf16 tensor-core FLOP/s (FP8: twice that); the FP8 cost model's H100 numbers."""
     fp32_flops: float = 67e12
     """FP32 FLOP/s without TF32 (torch's default for fp32 matmuls)."""
-    memory_bandwidth: float = 3.35e12
+    memory_bandwidth: float = cost.H100.bandwidth
     """HBM3 bytes/s."""
     host_link: float = 50e9
     """Host-device copy bytes/s each way (PCIe Gen5 x16, ~64 GB/s peak)."""
