@@ -9,6 +9,7 @@ signature change upstream fails loudly in one module instead of silently elsewhe
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import contextvars
 from typing import Any, Callable, Iterable, Iterator
@@ -538,6 +539,17 @@ def inductor_pattern_matcher() -> Any:
     from torch._inductor import pattern_matcher
 
     return pattern_matcher
+
+
+@functools.lru_cache(maxsize=1)
+def inductor_lowering_tables() -> tuple[Any, frozenset[Any], frozenset[Any]]:
+    """Inductor's op tables (``torch._inductor.lowering``): the ops it lowers to its own IR, the
+    ops it runs as extern fallback kernels, and the ops whose inputs it materializes (GEMMs,
+    convolutions, attention). Slow to import, so on first use."""
+    from torch._inductor import lowering
+
+    return (lowering.lowerings, frozenset(lowering.fallbacks),
+            frozenset(lowering.needs_realized_inputs))
 
 
 def register_backend(name: str, compiler_fn: Callable[..., Any]) -> None:

@@ -199,3 +199,83 @@ def test_graph_breaks_merge_peaks_with_what_earlier_graphs_hold():
     merged = merge_peaks([peak(1000, 100), peak(900, 200)], saved=[300, 50], params=[100, 200])
     assert merged["bytes"] == 900 + 300 + 100 and merged["held_by_other_graphs"] == 400
     assert merge_peaks([peak(1000, 100)], saved=[300], params=[100])["bytes"] == 1000
+
+
+# --- the step's peak under Inductor's code ----------------------------------------------------------
+
+def allocator_peak(step, resident: int) -> int:
+    """The CPU allocator's peak over one step ``step()``: what it held at most beyond what was
+    live before (torch's profiler reports every allocation, Inductor's ``empty_strided_cpu``
+    buffers included, which MemTracker's dispatch mode never sees), plus ``resident``."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        event = todo.pop()
+        todo.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size,
+                           event.extra_fields.total_allocated))
+    events.sort()
+    # the allocator's running total carries what earlier profiles left: count from this step's start
+    start = events[0][2] - events[0][1]
+    return resident + max(total for _, _, total in events) - start
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_predicted_peak_matches_inductors_code(name):
+    """Under ``codegen="inductor"`` the prediction runs the graphs as Inductor's code does
+    (fused elementwise nodes, kernels sharing reads, results written into dying inputs): on the
+    CPU it meets the allocator's peak of the compiled step within 0.1% (measured: 1,028 B under
+    on the Llama example, 4 B on GPT). Read as-is, the same graphs predicted 5.9% (Llama) and
+    27.2% (GPT) above. One thread: the CPU attention and bf16 GEMM kernels allocate scratch
+    per thread, inside the op, which no graph shows (fp32 here for the same reason: the CPU's
+    bf16 GEMM allocates a converted copy of its operands). Gradients land in ``.grad`` left
+    unset, so the backward's outputs become them, as the prediction counts."""
+    torch.manual_seed(0)
+    model, (x,) = {"llama": llama, "gpt": gpt}[name].build("tiny", seq=512)
+    backend = graphpass.backend(codegen="inductor")
+    step = torch.compile(lambda x: model(x).sum(), backend=backend)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step(x).backward()
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        resident = sum(p.untyped_storage().nbytes() for p in model.parameters())
+        measured = allocator_peak(lambda: step(x).backward(),
+                                  resident + x.untyped_storage().nbytes())
+    finally:
+        torch.set_num_threads(threads)
+    predicted = backend.report().meta["step_peak"]
+
+    assert predicted["runtime"] == "inductor"
+    assert abs(predicted["bytes"] - measured) <= 0.001 * measured, (predicted["bytes"], measured)
+
+
+def test_inductor_buffers_of_a_bf16_norm_and_linear():
+    """Which values of an RMSNorm in bf16 (fp32 arithmetic, as Llama writes it) feeding a linear
+    Inductor's code holds, worked out by hand: the inputs, the mean (a reduction: its own
+    kernel), the norm's bf16 output (a GEMM's operand), the GEMM's result; the fp32 upcast, the
+    square, the rsqrt, the products and the downcast are computed inside the kernels that read
+    them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphpass.graph.peak import inductor_buffers, inductor_kernels
+
+    def f(x, w, proj):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return torch.mm(h.to(torch.bfloat16) * w, proj)
+
+    gm = make_fx(f)(torch.randn(8, 16, dtype=torch.bfloat16),
+                    torch.randn(16, dtype=torch.bfloat16),
+                    torch.randn(16, 4, dtype=torch.bfloat16))
+    ops = {n.name: str(n.target) for n in gm.graph.nodes}
+    held = {n.name for n in inductor_buffers(gm)}
+    assert held == {"x_1", "w_1", "proj_1", "mean", "mul_1", "mm"}, (held, ops)
+    kernels, _ = inductor_kernels(gm)
+    assert [[n.name for n in k] for k in kernels] == [["mean"], ["mul_1"], ["mm"]]
