@@ -2,6 +2,7 @@
 
     python benchmarks/fp8_training.py [--steps 200] [--codegen eager] [--model deepseek]
     python benchmarks/fp8_training.py --model deepseek --recipes tensorwise rowwise --seeds 3
+    python benchmarks/fp8_training.py --model mixtral --recipes tensorwise rowwise   # tiny HF Mixtral
     python benchmarks/fp8_training.py --cache      # the FP8 activation cache's levels
     python benchmarks/fp8_training.py --cache --seeds 5   # over seeds 0..4 (model init and data)
     python benchmarks/fp8_training.py --cache --model deepseek   # the tiny DeepSeek (MLA + MoE)
@@ -50,9 +51,36 @@ from benchmarks.memory import CACHE_LEVELS as LEVELS  # noqa: E402
 from benchmarks.memory import TORCH_AQ  # noqa: E402
 from examples import deepseek, llama, train  # noqa: E402
 
+
+
+class hf_mixtral:
+    """The tiny Hugging Face Mixtral (1 layer, hidden 256, 4 experts, top-2, experts on
+    ``torch._grouped_mm``: the model users bring, with its own routing and expert layout) as the
+    examples build theirs: fp32 weights from ``seed``, token ids in, logits out."""
+
+    class LM(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids).logits
+
+    @staticmethod
+    def build(size: str, *, seq: int, layers: int, seed: int) -> tuple[torch.nn.Module, tuple]:
+        import transformers
+
+        cfg = transformers.MixtralConfig(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=seq, experts_implementation="grouped_mm")
+        torch.manual_seed(seed)
+        return hf_mixtral.LM(transformers.MixtralForCausalLM(cfg)), ()
+
+
 # --model: the example and its sequence length (the tiny DeepSeek's experts need 128 tokens per
 # expert slot block, as in tests/test_fp8_training.py)
-MODELS = {"llama": (llama, 64), "deepseek": (deepseek, 128)}
+MODELS = {"llama": (llama, 64), "deepseek": (deepseek, 128), "mixtral": (hf_mixtral, 128)}
 # torch's pass on bf16 tensors only: attention's fp32 log-sum-exp (and a norm's rstd) stay exact.
 # Beside TORCH_AQ in --grad-errors, it shows what casting the log-sum-exp costs.
 TORCH_AQ_BF16 = dict(TORCH_AQ, allowed_dtypes="torch.bfloat16")
@@ -284,7 +312,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=1,
                    help="repeat for N seeds (model weights and data)")
     p.add_argument("--first-seed", type=int, default=0, help="the first seed")
-    p.add_argument("--save", help="with --cache: write the per-seed losses to this JSON file")
+    p.add_argument("--save", help="write the per-seed losses to this JSON file")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="print the --cache table of runs saved with --save, together")
     p.add_argument("--grad-errors", action="store_true",
@@ -329,6 +357,10 @@ def main() -> None:
             losses[name].append(final_loss(data, codegen=args.codegen, seed=seed,
                                            model_name=args.model, **RECIPES[name]))
             print(f"seed {seed} {name}: {losses[name][-1]:.4f}", file=sys.stderr, flush=True)
+        if args.save:  # after each seed: a run cut short keeps what it measured
+            Path(args.save).write_text(json.dumps({
+                "model": args.model, "steps": args.steps, "seeds": seeds[:len(losses["bf16"])],
+                "recipes": losses}))
     print_recipe_table(losses, seeds)
     print(f"\ntask floor (best possible loss): {train.loss_floor(256):.4f}")
 
@@ -347,7 +379,7 @@ def print_recipe_table(losses: dict[str, list[float]], seeds: list[int]) -> None
     target's PASS/FAIL line where rowwise ran."""
     base = losses["bf16"]
     print("| run | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | vs bf16 | 2 SE |")
-    print("|---|" + "---|" * (len(seeds) + 4))
+    print("|---|" + "---|" * (len(seeds) + 3))
     for name, values in losses.items():
         mean = statistics.fmean(values)
         gaps = [v / b - 1 for v, b in zip(values, base)]
