@@ -386,43 +386,48 @@ def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
 
 # --- providers for token groups: torch._scaled_grouped_mm on CUDA --------------------------------
 
-def test_scaled_grouped_forward_dispatch_under_fake_tensors():
-    """The arguments graphpass gives torch._scaled_grouped_mm pass torch's own checks (its meta
-    function mirrors the CUDA kernel's: E4M3 operands, a row-major, b column-major, fp32 scales
-    (T,) and (G, N)), on every torch version, without a GPU."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def test_tensorwise_forward_runs_as_one_grouped_call(monkeypatch):
+    """Tensorwise (HYBRID) experts' forward, both operands E4M3, is one
+    torch._scaled_grouped_mm (token groups: 2d x 3d; bmm experts: 3d x 3d), its scales given per
+    row in their own allocations (the argument layouts' fake-CUDA check against torch's meta
+    function: tests/test_fp8_rowwise.py::test_tensorwise_grouped_calls_pass_torchs_own_checks);
+    an E5M2 gradient operand takes the per-expert path, which the grouped kernel's rules
+    refuse."""
     from graphpass import _compat
     from graphpass.fp8 import providers
 
-    assert _compat.has_scaled_grouped_mm()  # 2.11.0, 2.13.0, 2.14.1
+    calls = []
+    real = providers.grouped_mm_call
+    monkeypatch.setattr(providers, "grouped_mm_call", lambda *a, **k: calls.append(a) or real(*a, **k))
     offs = torch.tensor(OFFSETS["ragged"], dtype=torch.int32)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        a = torch.empty(T, K, dtype=recipes.E4M3)
-        b = torch.empty(E, N, K, dtype=recipes.E4M3)
-        out = providers.scaled_grouped_forward(a, torch.empty(E), b, torch.empty(E),
-                                               mode.from_tensor(offs), torch.bfloat16)
-        assert (out.shape, out.dtype) == ((T, N), torch.bfloat16)
-        with pytest.raises(RuntimeError, match="E4M3"):  # E5M2 gradients take the per-group path
-            providers.scaled_grouped_forward(a.to(recipes.E5M2), torch.empty(E), b, torch.empty(E),
-                                             mode.from_tensor(offs), torch.bfloat16)
-
-
-def test_scaled_batched_forward_dispatch_under_fake_tensors():
-    """bmm experts: the arguments graphpass gives torch._scaled_grouped_mm's 3d x 3d form pass
-    torch's own checks (E4M3 operands, b column-major, fp32 scales (G, M) and (G, N)) on every
-    torch version, without a GPU; E5M2 gradients are refused, so they take the per-expert loop."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graphpass.fp8 import providers
-
-    with FakeTensorMode():
-        a, b = torch.empty(E, C, K, dtype=recipes.E4M3), torch.empty(E, N, K, dtype=recipes.E4M3)
-        out = providers._scaled_batched_forward(a, torch.empty(E), b, torch.empty(E), torch.bfloat16)
-        assert (out.shape, out.dtype) == ((E, C, N), torch.bfloat16)
-        with pytest.raises(RuntimeError, match="e4m3|E4M3"):
-            providers._scaled_batched_forward(a.to(recipes.E5M2), torch.empty(E), b, torch.empty(E),
-                                              torch.bfloat16)
+    scaled_mm = providers.get("scaled_mm")
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, dtype=torch.bfloat16)
+    a, sa = torch.ops.graphpass.quantize(x, "tensorwise", "input", "rowwise", offs)
+    b, sb = torch.ops.graphpass.quantize(w, "tensorwise", "weight", "rowwise")
+    out = scaled_mm.grouped_gemm(a, sa, b, sb, offs, "tensorwise", "input", "weight",
+                                 torch.bfloat16, None)
+    ref = providers.get("reference")
+    assert torch.equal(out, providers.grouped_gemm(a, sa, b, sb, offs, "tensorwise", "input",
+                                                   "weight", torch.bfloat16, None, ref))
+    assert len(calls) == 1
+    g, sg = torch.ops.graphpass.quantize(x[:, :N].contiguous(), "tensorwise", "grad", "rowwise",
+                                         offs)
+    assert g.dtype == recipes.E5M2
+    wt, swt = torch.ops.graphpass.quantize(w, "tensorwise", "weight", "columnwise")
+    singles = []
+    real_mm = _compat.scaled_mm
+    monkeypatch.setattr(_compat, "scaled_mm", lambda *a, **k: singles.append(1) or real_mm(*a, **k))
+    scaled_mm.grouped_gemm(g, sg, wt, swt, offs, "tensorwise", "grad", "weight", torch.bfloat16,
+                           None)
+    assert len(calls) == 1 and len(singles) == 3  # the 3 non-empty groups, one _scaled_mm each
+    xb = torch.randn(E, C, K, dtype=torch.bfloat16)
+    a3, sa3 = torch.ops.graphpass.quantize(xb, "tensorwise", "input", "rowwise")
+    out = scaled_mm.batched_gemm(a3, sa3, b, sb, "tensorwise", "input", "weight", torch.bfloat16,
+                                 None)
+    assert len(calls) == 2 and out.shape == (E, C, N)
+    assert torch.equal(out, providers.batched_gemm(a3, sa3, b, sb, "tensorwise", "input",
+                                                   "weight", torch.bfloat16, None, ref))
 
 
 @pytest.mark.gpu
@@ -443,7 +448,7 @@ def test_scaled_batched_forward_matches_the_per_expert_loop_on_cuda():
     loop = torch.stack([providers.get("scaled_mm").gemm(a[e], sa[e], b[e], sb[e], "tensorwise",
                                                         "input", "weight", torch.bfloat16, None)
                         for e in range(E)])
-    torch.testing.assert_close(providers._scaled_batched_forward(a, sa, b, sb, torch.bfloat16),
+    torch.testing.assert_close(providers.tensorwise_batched(a, sa, b, sb, torch.bfloat16),
                                loop, rtol=8e-3, atol=1e-2)  # 2**-7: one bf16 ulp
     got = []
     for kernels in ("reference", "scaled_mm"):
@@ -474,8 +479,9 @@ def _compiled_token_groups(recipe, kernels, device, offsets="ragged"):
 
 
 def test_scaled_mm_provider_runs_token_groups_per_group_on_cpu():
-    """On the CPU, kernels='scaled_mm' runs a token group's GEMMs as torch._scaled_mm (its CPU
-    emulation), one per group: the reference's numbers, up to _scaled_mm's bf16 rounding."""
+    """On the CPU, kernels='scaled_mm' runs a token group's dgrad and wgrad as torch._scaled_mm
+    (its CPU emulation), one per group, and the forward as one emulated grouped call: the
+    reference's numbers, up to _scaled_mm's bf16 rounding."""
     ref = _compiled_token_groups("tensorwise", "reference", "cpu")
     got = _compiled_token_groups("tensorwise", "scaled_mm", "cpu")
     assert "lowered: <root> (scaled_mm/tensorwise)" in graphpass.last_report().notes
@@ -502,7 +508,8 @@ def test_scaled_mm_calls_follow_cublaslt_rules(monkeypatch):
 
     monkeypatch.setattr(_compat, "scaled_mm", checked)
     _compiled_token_groups("tensorwise", "scaled_mm", "cpu")  # ragged: groups of 100, 233, 167
-    assert len(calls) == 3 * 3  # forward, dgrad and wgrad of the three non-empty groups
+    assert len(calls) == 2 * 3  # dgrad and wgrad of the three non-empty groups (the forward is
+    # one grouped call: tests/test_fp8_rowwise.py::test_tensorwise_experts_say_what_still_loops)
 
 
 @pytest.mark.gpu
