@@ -9,6 +9,15 @@ import graphpass
 from graphpass.fp8 import recipes
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
+# with tensorwise in TE's all-E4M3 format (fp8_format="e4m3"), named as the graph ops name it
+WITH_E4M3 = (*RECIPES, "tensorwise_e4m3")
+
+
+def _fp8(recipe):
+    """The Config options of a recipe of WITH_E4M3."""
+    if recipe == "tensorwise_e4m3":
+        return {"fp8": "tensorwise", "fp8_format": "e4m3"}
+    return {"fp8": recipe}
 E, C, K, N = 4, 128, 256, 128  # experts, capacity (tokens per expert), in, out
 
 
@@ -181,13 +190,13 @@ def _emulated_groups(x, w_kn, grad_y, offs, recipe):
 @pytest.mark.parametrize("fn", GROUPED_MM)
 @pytest.mark.parametrize("offsets", OFFSETS)
 @pytest.mark.parametrize("stored_kn", [True, False], ids=["EKN", "ENK"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WITH_E4M3)
 def test_token_grouped_experts_are_exactly_the_recipe(recipe, stored_kn, offsets, fn):
     torch.manual_seed(0)
     experts = TokenGroupedExperts(stored_kn, GROUPED_MM[fn])
     offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32)
     x, grad_y = torch.randn(T, K, dtype=torch.bfloat16), torch.randn(T, N, dtype=torch.bfloat16)
-    compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", fp8=recipe,
+    compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", **_fp8(recipe),
                                                                  kernels="reference"))
     xx = x.clone().requires_grad_()
     y = compiled(xx, offs)
@@ -363,7 +372,7 @@ class _TokenRoutedExample:
         return model.to(torch.bfloat16), [torch.randn(2, seq, 256, dtype=torch.bfloat16)]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WITH_E4M3)
 def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
     """The memory policies on a routed MoE layer whose experts are _grouped_mm over token groups
     (ragged, data-dependent groups): gradients bit-identical to TE-style FP8 with torch's
@@ -371,12 +380,12 @@ def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
     from test_memory_passes import POLICIES, UNOPTIMISED, _compiled_grads
 
     module = _TokenRoutedExample
-    base, report = _compiled_grads(module, dict(fp8=recipe, **UNOPTIMISED))
+    base, report = _compiled_grads(module, dict(**_fp8(recipe), **UNOPTIMISED))
     router = 3 * 2 * 128 * 256 * E  # the router stays high precision (default fp8_exclude)
     assert report.meta["fp8_coverage"]["high_precision_flops"] == {"excluded by pattern '*.router'": router}
     assert f"lowered: mlp.experts (reference/{recipe})" in report.notes
     for policy in [*POLICIES, dict(offload=True, offload_min_bytes=0)]:
-        grads, report = _compiled_grads(module, dict(fp8=recipe, **policy))
+        grads, report = _compiled_grads(module, dict(**_fp8(recipe), **policy))
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
         if policy.get("save_original") == "always":
             assert "save original: mlp.experts re-quantizes its saved input in the backward" in report.notes
@@ -464,7 +473,7 @@ def test_scaled_batched_forward_matches_the_per_expert_loop_on_cuda():
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
 
 
-def _compiled_token_groups(recipe, kernels, device, offsets="ragged"):
+def _compiled_token_groups(recipe, kernels, device, offsets="ragged", **options):
     torch.manual_seed(0)
     experts = TokenGroupedExperts(False).to(device)
     offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32, device=device)
@@ -472,7 +481,7 @@ def _compiled_token_groups(recipe, kernels, device, offsets="ragged"):
     grad_y = torch.randn(T, N, dtype=torch.bfloat16, device=device)
     torch._dynamo.reset()
     compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", fp8=recipe,
-                                                                 kernels=kernels))
+                                                                 kernels=kernels, **options))
     y = compiled(x, offs)
     y.backward(grad_y)
     return y.detach(), x.grad, experts.weight.grad
@@ -593,18 +602,18 @@ def test_quantize_before_dispatch_saves_the_layer_input_not_the_dispatched_copy(
     assert "recomputed: dispatch (aten.index of view, re-gathered) in backward: mlp, mlp.experts" in with_it.notes
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WITH_E4M3)
 def test_quantize_before_dispatch_is_bit_identical(recipe, monkeypatch):
     """Gradients with and without the pass, where it applies (memory="default", and
     save_original="always", where it replaces the dispatched tokens in bf16), per recipe."""
     from test_memory_passes import _compiled_grads
 
     for policy in (dict(memory="default"), dict(memory="default", save_original="always")):
-        grads, report = _compiled_grads(_TokenRoutedExample, dict(fp8=recipe, **policy))
+        grads, report = _compiled_grads(_TokenRoutedExample, dict(**_fp8(recipe), **policy))
         assert any(n.startswith("dispatch: mlp.experts: aten.index") for n in report.notes), policy
         with monkeypatch.context() as m:
             _without_regather(m)
-            base, report = _compiled_grads(_TokenRoutedExample, dict(fp8=recipe, **policy))
+            base, report = _compiled_grads(_TokenRoutedExample, dict(**_fp8(recipe), **policy))
         assert not any(n.startswith("dispatch:") for n in report.notes)
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
 
@@ -806,6 +815,32 @@ def test_te_runs_each_grouped_gemm_as_one_grouped_call(monkeypatch):
     got = _compiled_bmm_experts("te")
     assert sorted(calls) == [("grouped", E, False), ("grouped", E, True), ("grouped", E, True)]
     assert all(torch.equal(g, r) for r, g in zip(ref_bmm, got))
+
+
+def test_te_runs_the_all_e4m3_format(monkeypatch):
+    """fp8_format='e4m3' with kernels='te': TE's Float8CurrentScaling in its Format.E4M3, which
+    the TE provider runs as it runs HYBRID (each operand's storage carries its FP8 dtype, here
+    E4M3 for the gradients too); each grouped GEMM is one general_grouped_gemm, and the numbers
+    are the reference provider's for the same format."""
+    from graphpass.fp8 import providers
+    from graphpass.fp8.te import TransformerEngine
+
+    real_te = TransformerEngine.__new__(TransformerEngine)  # its __init__ imports TE
+    assert real_te.supports("tensorwise_e4m3", torch.device("cuda")) is None
+    assert "runs fp8='tensorwise'" in real_te.supports("rowwise", torch.device("cuda"))
+    calls, dtypes, real_get = [], [], providers.get
+    te = _stand_in_te(calls)
+    wrap = te._wrap
+    te._wrap = lambda data, scale_inv: dtypes.append(data.dtype) or wrap(data, scale_inv)
+    ref = _compiled_token_groups("tensorwise", "reference", "cpu", fp8_format="e4m3")
+    monkeypatch.setattr(providers, "te_available", lambda: True)
+    monkeypatch.setattr(providers, "get", lambda name: te if name == "te" else real_get(name))
+    got = _compiled_token_groups("tensorwise", "te", "cpu", fp8_format="e4m3")
+    assert "lowered: <root> (te/tensorwise_e4m3)" in graphpass.last_report().notes
+    assert sorted(calls) == [("grouped", 3, False), ("grouped", 3, True), ("grouped", 3, True)]
+    assert dtypes and set(dtypes) == {recipes.E4M3}
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2], rtol=2**-7, atol=1e-5)  # as for HYBRID above
 
 
 @pytest.mark.parametrize("mode,split", [("te", {"forward": False, "dgrad": True, "wgrad": True}),
