@@ -487,11 +487,14 @@ def test_tensorwise_experts_say_what_still_loops(form, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise_e4m3"])
 @pytest.mark.parametrize("form", ["linear", "token_groups", "bmm"])
-def test_rowwise_kernels_match_the_reference_on_cuda(form):
+def test_rowwise_kernels_match_the_reference_on_cuda(form, recipe):
     """CUDA sm90+: rowwise torch._scaled_mm and torch._scaled_grouped_mm (forward, dgrad, wgrad,
     groups of 100, 0, 233, 179 tokens) against the reference provider on the same device: the
-    same FP8 operands and scales, fp32 accumulation in another order, so close, not equal."""
+    same FP8 operands and scales, fp32 accumulation in another order, so close, not equal. The
+    same for tensorwise with fp8_format='e4m3', whose expert GEMMs take the same grouped calls
+    (dense GEMMs: tensorwise torch._scaled_mm)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._scaled_grouped_mm needs sm90+")
     torch.manual_seed(0)
@@ -504,8 +507,8 @@ def test_rowwise_kernels_match_the_reference_on_cuda(form):
     model = model.to("cuda", torch.bfloat16)
     inputs = [i.to("cuda", torch.bfloat16) if i.is_floating_point() else i.to("cuda")
               for i in inputs]
-    ref = _step(model, inputs, "reference")
-    got = _step(model, inputs, "scaled_mm")
+    ref = _step(model, inputs, "reference", **E4M3_RECIPES[recipe])
+    got = _step(model, inputs, "scaled_mm", **E4M3_RECIPES[recipe])
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
 
