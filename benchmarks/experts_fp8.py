@@ -8,8 +8,10 @@ Cases: the ``experts`` model (benchmarks/_experts.py: 16 DeepSeek-V3-shaped SwiG
 ``torch._grouped_mm`` with offsets) over 8,192 and over 32,768 routed tokens (512 and 2,048 per
 expert: one rank of EP=16), and one DeepSeek-V3 layer (examples/deepseek.py: 256 ``bmm`` experts,
 seq 4096). Configs: graphpass bf16 (the experts on bf16 ``_grouped_mm`` / ``bmm``), FP8
-``rowwise`` and FP8 ``tensorwise`` on ``kernels="scaled_mm"``; speedups are against the bf16 row
-of the same run. Each FP8 step is then profiled (``torch.profiler``): its kernel time, the GEMM
+``rowwise``, FP8 ``tensorwise`` with ``fp8_format="e4m3"`` (every expert GEMM one grouped kernel,
+as rowwise) and FP8 ``tensorwise`` in its default HYBRID format (E5M2 gradients: dgrad and wgrad
+one GEMM per expert), all on ``kernels="scaled_mm"``; speedups are against the bf16 row of the
+same run. Each FP8 step is then profiled (``torch.profiler``): its kernel time, the GEMM
 share, the GEMM launches and device copies per step (a per-expert loop shows as at least one of
 each per expert), and its top kernels.
 
@@ -65,8 +67,13 @@ def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
     ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
+    ("FP8 tensorwise e4m3/scaled_mm", {"fp8": "tensorwise", "fp8_format": "e4m3",
+                                       "kernels": "scaled_mm"}),
     ("FP8 tensorwise/scaled_mm", {"fp8": "tensorwise", "kernels": "scaled_mm"}),
 ]
+# The configs whose expert GEMMs are one grouped kernel each: judged for a per-expert loop.
+GROUPED = {"FP8 rowwise/scaled_mm": "FP8 rowwise", "FP8 tensorwise e4m3/scaled_mm":
+           "FP8 tensorwise e4m3"}
 
 
 @dataclass
@@ -209,14 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         line = f"- {case.label}: FP8 rowwise >= {target}x bf16"
         lines.append(_judged(line, None if got is None else got >= target,
                              f"{got:.2f}x" if got else "not measured", args.dry_run))
-        prof = profiles.get((case.label, "FP8 rowwise/scaled_mm"))
-        line = (f"- {case.label}: no per-expert loop in the FP8 rowwise step (GEMM launches and "
-                f"device copies per step < {case.experts} experts)")
-        ok = None if prof is None else (prof.gemm_launches < case.experts
-                                        and prof.copies < case.experts)
-        detail = ("not profiled" if prof is None else
-                  f"{prof.gemm_launches:g} GEMM launches, {prof.copies:g} copies per step")
-        lines.append(_judged(line, ok, detail, args.dry_run))
+        for config, name in GROUPED.items():
+            prof = profiles.get((case.label, config))
+            line = (f"- {case.label}: no per-expert loop in the {name} step (GEMM launches and "
+                    f"device copies per step < {case.experts} experts)")
+            ok = None if prof is None else (prof.gemm_launches < case.experts
+                                            and prof.copies < case.experts)
+            detail = ("not profiled" if prof is None else
+                      f"{prof.gemm_launches:g} GEMM launches, {prof.copies:g} copies per step")
+            lines.append(_judged(line, ok, detail, args.dry_run))
     text = "\n".join(lines) + "\n"
     print("\n".join(lines[lines.index("## Top kernels of the FP8 rowwise steps"):]))
     if args.out:

@@ -10,6 +10,9 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 # the CLI's flags) are read from the types: CHOICES below.
 Codegen = Literal["inductor", "eager"]
 FP8Recipe = Literal[None, "tensorwise", "blockwise", "mxfp8", "rowwise"]
+# Transformer Engine's FP8 formats for fp8="tensorwise": HYBRID (E4M3 inputs and weights, E5M2
+# gradients: TE's default) or E4M3 in every role (TE's Format.E4M3).
+FP8Format = Literal["hybrid", "e4m3"]
 Kernels = Literal["auto", "te", "scaled_mm", "reference"]
 SaveOriginal = Literal["auto", "always", "never"]
 Memory = Literal[None, "auto", "default"]
@@ -52,6 +55,14 @@ class Config:
     fp8_pow2_scales: bool = False
     """With ``fp8="rowwise"``: scales rounded down to powers of two (torchao's
     ``round_scales_to_power_of_2``), so scaling and unscaling are exact."""
+
+    fp8_format: FP8Format = "hybrid"
+    """With ``fp8="tensorwise"``: Transformer Engine's FP8 format. ``"hybrid"`` (TE's
+    ``Format.HYBRID``, its default): E4M3 inputs and weights, E5M2 gradients. ``"e4m3"`` (TE's
+    ``Format.E4M3``): gradients E4M3 too, each with its own tensorwise scale; then the expert
+    GEMMs' dgrad and wgrad run as one ``torch._scaled_grouped_mm`` each, as their forward does
+    (the grouped kernel takes E4M3 operands only). The other recipes are E4M3 in every role
+    already."""
 
     kernels: Kernels = "auto"
     """FP8 kernel provider: ``"auto"``, ``"te"``, ``"scaled_mm"`` or ``"reference"``."""
@@ -169,10 +180,13 @@ class Config:
 
     @property
     def fp8_recipe(self) -> str | None:
-        """The recipe name the FP8 graph ops carry: ``fp8``, or ``"rowwise_pow2"`` for
-        ``fp8="rowwise"`` with ``fp8_pow2_scales``."""
+        """The recipe name the FP8 graph ops carry: ``fp8``, ``"rowwise_pow2"`` for
+        ``fp8="rowwise"`` with ``fp8_pow2_scales``, or ``"tensorwise_e4m3"`` for
+        ``fp8="tensorwise"`` with ``fp8_format="e4m3"``."""
         if self.fp8 is None:
             return None
+        if self.fp8 == "tensorwise" and self.fp8_format == "e4m3":
+            return "tensorwise_e4m3"
         return "rowwise_pow2" if self.fp8_pow2_scales and self.fp8 == "rowwise" else self.fp8
 
     @property
@@ -318,6 +332,8 @@ def _combinations(config: Config) -> None:
         ("fp8_cost_model", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_pow2_scales", config.fp8 == "rowwise", "fp8='rowwise'"),
+        ("fp8_format", config.fp8 == "tensorwise",
+         "fp8='tensorwise' (the other recipes are E4M3 in every role already)"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
         ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),
         ("fp8_cache_format", config.fp8_cache is not None, "fp8_cache='act_input' (or another "

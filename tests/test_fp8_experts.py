@@ -9,6 +9,15 @@ import graphpass
 from graphpass.fp8 import recipes
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
+# with tensorwise in TE's all-E4M3 format (fp8_format="e4m3"), named as the graph ops name it
+WITH_E4M3 = (*RECIPES, "tensorwise_e4m3")
+
+
+def _fp8(recipe):
+    """The Config options of a recipe of WITH_E4M3."""
+    if recipe == "tensorwise_e4m3":
+        return {"fp8": "tensorwise", "fp8_format": "e4m3"}
+    return {"fp8": recipe}
 E, C, K, N = 4, 128, 256, 128  # experts, capacity (tokens per expert), in, out
 
 
@@ -181,13 +190,13 @@ def _emulated_groups(x, w_kn, grad_y, offs, recipe):
 @pytest.mark.parametrize("fn", GROUPED_MM)
 @pytest.mark.parametrize("offsets", OFFSETS)
 @pytest.mark.parametrize("stored_kn", [True, False], ids=["EKN", "ENK"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WITH_E4M3)
 def test_token_grouped_experts_are_exactly_the_recipe(recipe, stored_kn, offsets, fn):
     torch.manual_seed(0)
     experts = TokenGroupedExperts(stored_kn, GROUPED_MM[fn])
     offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32)
     x, grad_y = torch.randn(T, K, dtype=torch.bfloat16), torch.randn(T, N, dtype=torch.bfloat16)
-    compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", fp8=recipe,
+    compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", **_fp8(recipe),
                                                                  kernels="reference"))
     xx = x.clone().requires_grad_()
     y = compiled(xx, offs)
@@ -363,7 +372,7 @@ class _TokenRoutedExample:
         return model.to(torch.bfloat16), [torch.randn(2, seq, 256, dtype=torch.bfloat16)]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WITH_E4M3)
 def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
     """The memory policies on a routed MoE layer whose experts are _grouped_mm over token groups
     (ragged, data-dependent groups): gradients bit-identical to TE-style FP8 with torch's
@@ -371,12 +380,12 @@ def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
     from test_memory_passes import POLICIES, UNOPTIMISED, _compiled_grads
 
     module = _TokenRoutedExample
-    base, report = _compiled_grads(module, dict(fp8=recipe, **UNOPTIMISED))
+    base, report = _compiled_grads(module, dict(**_fp8(recipe), **UNOPTIMISED))
     router = 3 * 2 * 128 * 256 * E  # the router stays high precision (default fp8_exclude)
     assert report.meta["fp8_coverage"]["high_precision_flops"] == {"excluded by pattern '*.router'": router}
     assert f"lowered: mlp.experts (reference/{recipe})" in report.notes
     for policy in [*POLICIES, dict(offload=True, offload_min_bytes=0)]:
-        grads, report = _compiled_grads(module, dict(fp8=recipe, **policy))
+        grads, report = _compiled_grads(module, dict(**_fp8(recipe), **policy))
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
         if policy.get("save_original") == "always":
             assert "save original: mlp.experts re-quantizes its saved input in the backward" in report.notes
@@ -386,43 +395,48 @@ def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
 
 # --- providers for token groups: torch._scaled_grouped_mm on CUDA --------------------------------
 
-def test_scaled_grouped_forward_dispatch_under_fake_tensors():
-    """The arguments graphpass gives torch._scaled_grouped_mm pass torch's own checks (its meta
-    function mirrors the CUDA kernel's: E4M3 operands, a row-major, b column-major, fp32 scales
-    (T,) and (G, N)), on every torch version, without a GPU."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def test_tensorwise_forward_runs_as_one_grouped_call(monkeypatch):
+    """Tensorwise (HYBRID) experts' forward, both operands E4M3, is one
+    torch._scaled_grouped_mm (token groups: 2d x 3d; bmm experts: 3d x 3d), its scales given per
+    row in their own allocations (the argument layouts' fake-CUDA check against torch's meta
+    function: tests/test_fp8_rowwise.py::test_tensorwise_grouped_calls_pass_torchs_own_checks);
+    an E5M2 gradient operand takes the per-expert path, which the grouped kernel's rules
+    refuse."""
     from graphpass import _compat
     from graphpass.fp8 import providers
 
-    assert _compat.has_scaled_grouped_mm()  # 2.11.0, 2.13.0, 2.14.1
+    calls = []
+    real = providers.grouped_mm_call
+    monkeypatch.setattr(providers, "grouped_mm_call", lambda *a, **k: calls.append(a) or real(*a, **k))
     offs = torch.tensor(OFFSETS["ragged"], dtype=torch.int32)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        a = torch.empty(T, K, dtype=recipes.E4M3)
-        b = torch.empty(E, N, K, dtype=recipes.E4M3)
-        out = providers.scaled_grouped_forward(a, torch.empty(E), b, torch.empty(E),
-                                               mode.from_tensor(offs), torch.bfloat16)
-        assert (out.shape, out.dtype) == ((T, N), torch.bfloat16)
-        with pytest.raises(RuntimeError, match="E4M3"):  # E5M2 gradients take the per-group path
-            providers.scaled_grouped_forward(a.to(recipes.E5M2), torch.empty(E), b, torch.empty(E),
-                                             mode.from_tensor(offs), torch.bfloat16)
-
-
-def test_scaled_batched_forward_dispatch_under_fake_tensors():
-    """bmm experts: the arguments graphpass gives torch._scaled_grouped_mm's 3d x 3d form pass
-    torch's own checks (E4M3 operands, b column-major, fp32 scales (G, M) and (G, N)) on every
-    torch version, without a GPU; E5M2 gradients are refused, so they take the per-expert loop."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graphpass.fp8 import providers
-
-    with FakeTensorMode():
-        a, b = torch.empty(E, C, K, dtype=recipes.E4M3), torch.empty(E, N, K, dtype=recipes.E4M3)
-        out = providers._scaled_batched_forward(a, torch.empty(E), b, torch.empty(E), torch.bfloat16)
-        assert (out.shape, out.dtype) == ((E, C, N), torch.bfloat16)
-        with pytest.raises(RuntimeError, match="e4m3|E4M3"):
-            providers._scaled_batched_forward(a.to(recipes.E5M2), torch.empty(E), b, torch.empty(E),
-                                              torch.bfloat16)
+    scaled_mm = providers.get("scaled_mm")
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, dtype=torch.bfloat16)
+    a, sa = torch.ops.graphpass.quantize(x, "tensorwise", "input", "rowwise", offs)
+    b, sb = torch.ops.graphpass.quantize(w, "tensorwise", "weight", "rowwise")
+    out = scaled_mm.grouped_gemm(a, sa, b, sb, offs, "tensorwise", "input", "weight",
+                                 torch.bfloat16, None)
+    ref = providers.get("reference")
+    assert torch.equal(out, providers.grouped_gemm(a, sa, b, sb, offs, "tensorwise", "input",
+                                                   "weight", torch.bfloat16, None, ref))
+    assert len(calls) == 1
+    g, sg = torch.ops.graphpass.quantize(x[:, :N].contiguous(), "tensorwise", "grad", "rowwise",
+                                         offs)
+    assert g.dtype == recipes.E5M2
+    wt, swt = torch.ops.graphpass.quantize(w, "tensorwise", "weight", "columnwise")
+    singles = []
+    real_mm = _compat.scaled_mm
+    monkeypatch.setattr(_compat, "scaled_mm", lambda *a, **k: singles.append(1) or real_mm(*a, **k))
+    scaled_mm.grouped_gemm(g, sg, wt, swt, offs, "tensorwise", "grad", "weight", torch.bfloat16,
+                           None)
+    assert len(calls) == 1 and len(singles) == 3  # the 3 non-empty groups, one _scaled_mm each
+    xb = torch.randn(E, C, K, dtype=torch.bfloat16)
+    a3, sa3 = torch.ops.graphpass.quantize(xb, "tensorwise", "input", "rowwise")
+    out = scaled_mm.batched_gemm(a3, sa3, b, sb, "tensorwise", "input", "weight", torch.bfloat16,
+                                 None)
+    assert len(calls) == 2 and out.shape == (E, C, N)
+    assert torch.equal(out, providers.batched_gemm(a3, sa3, b, sb, "tensorwise", "input",
+                                                   "weight", torch.bfloat16, None, ref))
 
 
 @pytest.mark.gpu
@@ -443,7 +457,7 @@ def test_scaled_batched_forward_matches_the_per_expert_loop_on_cuda():
     loop = torch.stack([providers.get("scaled_mm").gemm(a[e], sa[e], b[e], sb[e], "tensorwise",
                                                         "input", "weight", torch.bfloat16, None)
                         for e in range(E)])
-    torch.testing.assert_close(providers._scaled_batched_forward(a, sa, b, sb, torch.bfloat16),
+    torch.testing.assert_close(providers.tensorwise_batched(a, sa, b, sb, torch.bfloat16),
                                loop, rtol=8e-3, atol=1e-2)  # 2**-7: one bf16 ulp
     got = []
     for kernels in ("reference", "scaled_mm"):
@@ -459,7 +473,7 @@ def test_scaled_batched_forward_matches_the_per_expert_loop_on_cuda():
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
 
 
-def _compiled_token_groups(recipe, kernels, device, offsets="ragged"):
+def _compiled_token_groups(recipe, kernels, device, offsets="ragged", **options):
     torch.manual_seed(0)
     experts = TokenGroupedExperts(False).to(device)
     offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32, device=device)
@@ -467,15 +481,16 @@ def _compiled_token_groups(recipe, kernels, device, offsets="ragged"):
     grad_y = torch.randn(T, N, dtype=torch.bfloat16, device=device)
     torch._dynamo.reset()
     compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", fp8=recipe,
-                                                                 kernels=kernels))
+                                                                 kernels=kernels, **options))
     y = compiled(x, offs)
     y.backward(grad_y)
     return y.detach(), x.grad, experts.weight.grad
 
 
 def test_scaled_mm_provider_runs_token_groups_per_group_on_cpu():
-    """On the CPU, kernels='scaled_mm' runs a token group's GEMMs as torch._scaled_mm (its CPU
-    emulation), one per group: the reference's numbers, up to _scaled_mm's bf16 rounding."""
+    """On the CPU, kernels='scaled_mm' runs a token group's dgrad and wgrad as torch._scaled_mm
+    (its CPU emulation), one per group, and the forward as one emulated grouped call: the
+    reference's numbers, up to _scaled_mm's bf16 rounding."""
     ref = _compiled_token_groups("tensorwise", "reference", "cpu")
     got = _compiled_token_groups("tensorwise", "scaled_mm", "cpu")
     assert "lowered: <root> (scaled_mm/tensorwise)" in graphpass.last_report().notes
@@ -502,7 +517,8 @@ def test_scaled_mm_calls_follow_cublaslt_rules(monkeypatch):
 
     monkeypatch.setattr(_compat, "scaled_mm", checked)
     _compiled_token_groups("tensorwise", "scaled_mm", "cpu")  # ragged: groups of 100, 233, 167
-    assert len(calls) == 3 * 3  # forward, dgrad and wgrad of the three non-empty groups
+    assert len(calls) == 2 * 3  # dgrad and wgrad of the three non-empty groups (the forward is
+    # one grouped call: tests/test_fp8_rowwise.py::test_tensorwise_experts_say_what_still_loops)
 
 
 @pytest.mark.gpu
@@ -586,18 +602,18 @@ def test_quantize_before_dispatch_saves_the_layer_input_not_the_dispatched_copy(
     assert "recomputed: dispatch (aten.index of view, re-gathered) in backward: mlp, mlp.experts" in with_it.notes
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WITH_E4M3)
 def test_quantize_before_dispatch_is_bit_identical(recipe, monkeypatch):
     """Gradients with and without the pass, where it applies (memory="default", and
     save_original="always", where it replaces the dispatched tokens in bf16), per recipe."""
     from test_memory_passes import _compiled_grads
 
     for policy in (dict(memory="default"), dict(memory="default", save_original="always")):
-        grads, report = _compiled_grads(_TokenRoutedExample, dict(fp8=recipe, **policy))
+        grads, report = _compiled_grads(_TokenRoutedExample, dict(**_fp8(recipe), **policy))
         assert any(n.startswith("dispatch: mlp.experts: aten.index") for n in report.notes), policy
         with monkeypatch.context() as m:
             _without_regather(m)
-            base, report = _compiled_grads(_TokenRoutedExample, dict(fp8=recipe, **policy))
+            base, report = _compiled_grads(_TokenRoutedExample, dict(**_fp8(recipe), **policy))
         assert not any(n.startswith("dispatch:") for n in report.notes)
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
 
@@ -799,6 +815,32 @@ def test_te_runs_each_grouped_gemm_as_one_grouped_call(monkeypatch):
     got = _compiled_bmm_experts("te")
     assert sorted(calls) == [("grouped", E, False), ("grouped", E, True), ("grouped", E, True)]
     assert all(torch.equal(g, r) for r, g in zip(ref_bmm, got))
+
+
+def test_te_runs_the_all_e4m3_format(monkeypatch):
+    """fp8_format='e4m3' with kernels='te': TE's Float8CurrentScaling in its Format.E4M3, which
+    the TE provider runs as it runs HYBRID (each operand's storage carries its FP8 dtype, here
+    E4M3 for the gradients too); each grouped GEMM is one general_grouped_gemm, and the numbers
+    are the reference provider's for the same format."""
+    from graphpass.fp8 import providers
+    from graphpass.fp8.te import TransformerEngine
+
+    real_te = TransformerEngine.__new__(TransformerEngine)  # its __init__ imports TE
+    assert real_te.supports("tensorwise_e4m3", torch.device("cuda")) is None
+    assert "runs fp8='tensorwise'" in real_te.supports("rowwise", torch.device("cuda"))
+    calls, dtypes, real_get = [], [], providers.get
+    te = _stand_in_te(calls)
+    wrap = te._wrap
+    te._wrap = lambda data, scale_inv: dtypes.append(data.dtype) or wrap(data, scale_inv)
+    ref = _compiled_token_groups("tensorwise", "reference", "cpu", fp8_format="e4m3")
+    monkeypatch.setattr(providers, "te_available", lambda: True)
+    monkeypatch.setattr(providers, "get", lambda name: te if name == "te" else real_get(name))
+    got = _compiled_token_groups("tensorwise", "te", "cpu", fp8_format="e4m3")
+    assert "lowered: <root> (te/tensorwise_e4m3)" in graphpass.last_report().notes
+    assert sorted(calls) == [("grouped", 3, False), ("grouped", 3, True), ("grouped", 3, True)]
+    assert dtypes and set(dtypes) == {recipes.E4M3}
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2], rtol=2**-7, atol=1e-5)  # as for HYBRID above
 
 
 @pytest.mark.parametrize("mode,split", [("te", {"forward": False, "dgrad": True, "wgrad": True}),

@@ -408,12 +408,15 @@ def _fp8_ulp(data, scale_inv):
     return step * scale_inv.float()
 
 
-@pytest.mark.parametrize("role", ["input", "grad"])  # E4M3, E5M2
+# E4M3, E5M2, and E4M3 gradients (fp8_format="e4m3")
+@pytest.mark.parametrize("recipe, role", [("tensorwise", "input"), ("tensorwise", "grad"),
+                                          ("tensorwise_e4m3", "grad")],
+                         ids=["input", "grad", "grad-e4m3"])
 @pytest.mark.parametrize("emulate", [True, False], ids=["rounded", "unrounded"])
 @pytest.mark.skipif(not _compat.inductor_rounds_fused_casts(device_types=["cpu"]),
                     reason="this torch's Inductor CPU code does not round fused bf16 values as "
                     "eager does, so graphpass keeps every quantize one op on the CPU (fusion_notes)")
-def test_fused_quantize_is_within_one_fp8_ulp_of_the_op(role, emulate):
+def test_fused_quantize_is_within_one_fp8_ulp_of_the_op(recipe, role, emulate):
     """The contract of a fused quantize: each dequantized FP8 value within one FP8 ulp of the
     opaque op's. Fed by a fused bf16 producer (SwiGLU), Inductor's code reads the bf16-rounded
     value eager reads where ``emulate_precision_casts`` is on (what the backend sets): the bits
@@ -430,11 +433,12 @@ def test_fused_quantize_is_within_one_fp8_ulp_of_the_op(role, emulate):
     from graphpass.fp8.inductor import post_grad_pass
 
     def swiglu_quantize(a, b):
-        return ops.quantize(torch.nn.functional.silu(a) * b, "tensorwise", role, "both")
+        return ops.quantize(torch.nn.functional.silu(a) * b, recipe, role, "both")
 
     torch.manual_seed(0)
     a, b = (torch.randn(256, 512, dtype=torch.bfloat16) for _ in range(2))
-    opaque = ops.quantize(torch.nn.functional.silu(a) * b, "tensorwise", role, "both")
+    opaque = ops.quantize(torch.nn.functional.silu(a) * b, recipe, role, "both")
+    assert opaque[0].dtype == recipes.fp8_dtype(recipe, role)
     torch._dynamo.reset()
     with inductor_config.patch(post_grad_custom_pre_pass=post_grad_pass("test", None),
                                emulate_precision_casts=emulate,
@@ -451,7 +455,7 @@ def test_fused_quantize_is_within_one_fp8_ulp_of_the_op(role, emulate):
     buffers = re.findall(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code)
     assert ("256, 512", "float32") not in buffers and ("512, 256", "float32") not in buffers
     assert sorted(d for shape, d in buffers if shape in ("256, 512", "512, 256")) == [
-        "bfloat16"] + ["float8_e4m3fn" if role == "input" else "float8_e5m2"] * 2
+        "bfloat16"] + [str(recipes.fp8_dtype(recipe, role)).removeprefix("torch.")] * 2
 
 
 def test_fuse_quantize_false_keeps_every_quantize_one_op():

@@ -79,6 +79,28 @@ def test_rowwise_stacks_and_groups_are_each_part_quantized_alone():
         start = end
 
 
+def test_fp8_format_is_validated():
+    """fp8_format='e4m3' (TE's Format.E4M3) is an option of fp8='tensorwise'; its recipe name is
+    what the graph ops carry (so the compile caches tell it apart), with gradients E4M3."""
+    config = graphpass.Config(fp8="tensorwise", fp8_format="e4m3")
+    assert config.fp8_recipe == "tensorwise_e4m3"
+    assert graphpass.Config(fp8="tensorwise").fp8_recipe == "tensorwise"
+    assert graphpass.Config(fp8="tensorwise", fp8_format="e4m3", kernels="te").kernels == "te"
+    assert [recipes.fp8_dtype("tensorwise_e4m3", r) for r in recipes.ROLES] == [recipes.E4M3] * 3
+    assert recipes.fp8_dtype("tensorwise", "grad") == recipes.E5M2
+    for fp8 in (None, "rowwise", "blockwise", "mxfp8"):
+        with pytest.raises(ValueError, match="fp8_format='e4m3' has no effect without "
+                                             "fp8='tensorwise'"):
+            graphpass.Config(fp8=fp8, fp8_format="e4m3")
+    with pytest.raises(ValueError, match="fp8_format='E4M3'; valid values are: 'hybrid', 'e4m3'"):
+        graphpass.Config(fp8="tensorwise", fp8_format="E4M3")
+    from graphpass.backend import Partitioner
+
+    keys = {Partitioner(graphpass.Config(fp8="tensorwise", fp8_format=f)).uuid()
+            for f in ("hybrid", "e4m3")}
+    assert len(keys) == 2
+
+
 def test_rowwise_options_are_validated():
     assert graphpass.Config(fp8="rowwise", fp8_pow2_scales=True).fp8_recipe == "rowwise_pow2"
     assert graphpass.Config(fp8="rowwise").fp8_recipe == "rowwise"
@@ -143,14 +165,20 @@ class _Tied(nn.Module):
         return self.out(self.emb(ids))
 
 
-def _step(model, inputs, kernels, recipe="rowwise", pow2=False):
+# Config options of each all-E4M3 recipe whose expert GEMMs run as one grouped call each.
+E4M3_RECIPES = {"rowwise": {"fp8": "rowwise"},
+                "rowwise_pow2": {"fp8": "rowwise", "fp8_pow2_scales": True},
+                "tensorwise_e4m3": {"fp8": "tensorwise", "fp8_format": "e4m3"}}
+
+
+def _step(model, inputs, kernels, recipe="rowwise", pow2=False, **options):
     torch._dynamo.reset()
     params = dict(model.named_parameters())
     for p in params.values():
         p.grad = None
+    options = {"fp8": recipe, **({"fp8_pow2_scales": True} if pow2 else {}), **options}
     compiled = torch.compile(model, backend=graphpass.backend(
-        codegen="eager", fp8=recipe, kernels=kernels, fp8_exclude=(),
-        **({"fp8_pow2_scales": True} if pow2 else {})))
+        codegen="eager", kernels=kernels, fp8_exclude=(), **options))
     inputs = [i.clone().requires_grad_() if i.is_floating_point() else i for i in inputs]
     y = compiled(*inputs)
     y.float().square().sum().backward()
@@ -227,21 +255,23 @@ def _count_grouped(monkeypatch):
     return grouped, single
 
 
-@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("recipe", E4M3_RECIPES)
 @pytest.mark.parametrize("stored_kn", [True, False], ids=["EKN", "ENK"])
-def test_token_groups_run_one_grouped_call_per_gemm(stored_kn, pow2, monkeypatch):
-    """Experts over token groups of 100, 0, 233 and 179 tokens under fp8='rowwise' with
+def test_token_groups_run_one_grouped_call_per_gemm(stored_kn, recipe, monkeypatch):
+    """Experts over token groups of 100, 0, 233 and 179 tokens under fp8='rowwise' (and its
+    power-of-two scales) and under fp8='tensorwise' with fp8_format='e4m3', with
     kernels='scaled_mm': forward and dgrad one 2d x 3d torch._scaled_grouped_mm each, wgrad one
     2d x 2d (groups moved to 16-aligned starts on the device), no per-group _scaled_mm;
     outputs and gradients bit-identical to the reference provider, which runs each expert's
-    GEMMs on their own."""
+    GEMMs on their own. Tensorwise scales (one per token group and per expert) are given to the
+    kernel per row, which is the same arithmetic."""
     torch.manual_seed(0)
     model = _TokenGrouped(stored_kn)
     x = torch.randn(T, K, dtype=torch.bfloat16)
     offs = torch.tensor(ENDS, dtype=torch.int32)
-    ref = _step(model, [x, offs], "reference", pow2=pow2)
+    ref = _step(model, [x, offs], "reference", **E4M3_RECIPES[recipe])
     grouped, single = _count_grouped(monkeypatch)
-    got = _step(model, [x, offs], "scaled_mm", pow2=pow2)
+    got = _step(model, [x, offs], "scaled_mm", **E4M3_RECIPES[recipe])
     assert sorted(grouped) == ["2d x 2d", "2d x 3d", "2d x 3d"] and not single
     assert [n for n in graphpass.last_report().notes if n.startswith("grouped gemms")] == [
         "grouped gemms: <root>: forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA "
@@ -250,16 +280,17 @@ def test_token_groups_run_one_grouped_call_per_gemm(stored_kn, pow2, monkeypatch
         assert torch.equal(r, g)
 
 
-def test_bmm_experts_run_one_grouped_call_per_gemm(monkeypatch):
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise_e4m3"])
+def test_bmm_experts_run_one_grouped_call_per_gemm(recipe, monkeypatch):
     """bmm experts (capacity 100, not a multiple of 16: the wgrad's contraction is zero-padded)
-    under fp8='rowwise': forward, dgrad and wgrad one 3d x 3d torch._scaled_grouped_mm each,
-    bit-identical to the reference provider."""
+    under fp8='rowwise' and under tensorwise with fp8_format='e4m3': forward, dgrad and wgrad
+    one 3d x 3d torch._scaled_grouped_mm each, bit-identical to the reference provider."""
     torch.manual_seed(0)
     model = _Bmm()
     x = torch.randn(E, 100, K, dtype=torch.bfloat16)
-    ref = _step(model, [x], "reference")
+    ref = _step(model, [x], "reference", **E4M3_RECIPES[recipe])
     grouped, single = _count_grouped(monkeypatch)
-    got = _step(model, [x], "scaled_mm")
+    got = _step(model, [x], "scaled_mm", **E4M3_RECIPES[recipe])
     assert grouped == ["3d x 3d"] * 3 and not single
     for r, g in zip(ref, got):
         assert torch.equal(r, g)
@@ -298,7 +329,50 @@ def test_grouped_calls_pass_torchs_own_checks():
             torch._scaled_grouped_mm(cuda(T, K, dt=recipes.E5M2), cuda(E, N, K).transpose(-2, -1),
                                      cuda(T, dt=torch.float32), cuda(E, N, dt=torch.float32),
                                      offs=offs, out_dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="bfloat16"):  # why fp32 outputs are cast after
+            torch._scaled_grouped_mm(cuda(T, K), cuda(E, N, K).transpose(-2, -1),
+                                     cuda(T, dt=torch.float32), cuda(E, N, dt=torch.float32),
+                                     offs=offs, out_dtype=torch.float32)
     assert seen == ["2d x 3d", "2d x 2d", "3d x 3d"]
+
+
+def test_tensorwise_grouped_calls_pass_torchs_own_checks(monkeypatch):
+    """Tensorwise experts under fp8_format='e4m3' (one scale per token group or expert): the
+    arguments graphpass gives torch._scaled_grouped_mm in its three forms (the scalar scales
+    given per row, each in its own contiguous allocation) pass torch's meta checks on CUDA fake
+    tensors of the same sizes, strides and dtypes. The adapter runs on the CPU (a CPU-only torch
+    cannot index fake CUDA tensors), recording each call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = []
+    real = providers.grouped_mm_call
+
+    def record(a, b, scale_a, scale_b, offs, *, fast_accum=False):
+        calls.append((a, b, scale_a, scale_b, offs))
+        for s in (scale_a, scale_b):
+            assert s.is_contiguous() and s.storage_offset() == 0
+        return real(a, b, scale_a, scale_b, offs, fast_accum=fast_accum)
+
+    monkeypatch.setattr(providers, "grouped_mm_call", record)
+    e4 = recipes.E4M3
+    q = lambda *s: torch.randn(*s).to(e4)  # noqa: E731
+    scales, offs = torch.rand(E) + 0.5, torch.tensor(ENDS, dtype=torch.int32)
+    assert providers.tensorwise_grouped(q(T, K), scales, q(E, N, K), scales, offs,
+                                        torch.bfloat16).shape == (T, N)
+    assert providers.tensorwise_grouped(q(K, T), scales, q(N, T), scales, offs,
+                                        torch.bfloat16).shape == (E, K, N)
+    assert providers.tensorwise_batched(q(E, 100, K), scales, q(E, N, K), scales,
+                                        torch.float32).shape == (E, 100, N)
+    forms = []
+    with FakeTensorMode():
+        like = lambda t: None if t is None else torch.empty_strided(  # noqa: E731
+            t.shape, t.stride(), dtype=t.dtype, device="cuda")
+        for a, b, sa, sb, o in calls:
+            out = torch._scaled_grouped_mm(like(a), like(b), like(sa), like(sb), offs=like(o),
+                                           out_dtype=torch.bfloat16)
+            assert out.dtype == torch.bfloat16
+            forms.append(f"{a.dim()}d x {b.dim()}d")
+    assert forms == ["2d x 3d", "2d x 2d", "3d x 3d"]
 
 
 def test_grouped_rules_refuse_what_the_kernel_refuses():
@@ -380,29 +454,47 @@ def test_rowwise_quantizes_are_inlined_and_bit_identical_to_the_op(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_tensorwise_experts_say_what_still_loops(monkeypatch):
-    """Never silent: under tensorwise, the scaled_mm provider's expert dgrad and wgrad are one
-    _scaled_mm per expert (E5M2 gradients, which the grouped kernel refuses); the report says so,
-    and the CPU run makes exactly those per-group calls."""
+@pytest.mark.parametrize("form", ["bmm", "token_groups"])
+def test_tensorwise_experts_say_what_still_loops(form, monkeypatch):
+    """Never silent: under tensorwise's HYBRID format (the default), the scaled_mm provider's
+    expert forward is one grouped call and dgrad and wgrad are one _scaled_mm per expert (E5M2
+    gradients, which the grouped kernel refuses); the report says so, and the CPU run makes
+    exactly those calls. With fp8_format='e4m3' the note says all three are grouped and the run
+    makes one grouped call per GEMM and no _scaled_mm."""
     torch.manual_seed(0)
-    model = _Bmm()
-    x = torch.randn(E, 96, K, dtype=torch.bfloat16)
+    if form == "bmm":
+        model, inputs, forms = _Bmm(), [torch.randn(E, 96, K, dtype=torch.bfloat16)], ["3d x 3d"]
+        loops = 2 * E
+    else:
+        model = _TokenGrouped(stored_kn=False)
+        inputs = [torch.randn(T, K, dtype=torch.bfloat16), torch.tensor(ENDS, dtype=torch.int32)]
+        forms, loops = ["2d x 3d"], 2 * 3  # dgrad and wgrad of the 3 non-empty groups
     grouped, single = _count_grouped(monkeypatch)
-    _step(model, [x], "scaled_mm", recipe="tensorwise")
-    assert not grouped and len(single) == 3 * E  # the CPU has no tensorwise grouped kernel
+    _step(model, inputs, "scaled_mm", recipe="tensorwise")
+    assert grouped == forms and len(single) == loops
     [note] = [n for n in graphpass.last_report().notes if n.startswith("grouped gemms")]
     assert "dgrad and wgrad one torch._scaled_mm per expert" in note and "E5M2" in note
+    grouped.clear(), single.clear()
+    _step(model, inputs, "scaled_mm", recipe="tensorwise", fp8_format="e4m3")
+    assert len(grouped) == 3 and not single
+    [note] = [n for n in graphpass.last_report().notes if n.startswith("grouped gemms")]
+    assert note.startswith("grouped gemms: <root>: forward, dgrad and wgrad each one "
+                           "torch._scaled_grouped_mm")
+    assert "per expert:" not in note and "E5M2" not in note
 
 
 # --- on an H100: the real kernels against the reference provider -----------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise_e4m3"])
 @pytest.mark.parametrize("form", ["linear", "token_groups", "bmm"])
-def test_rowwise_kernels_match_the_reference_on_cuda(form):
+def test_rowwise_kernels_match_the_reference_on_cuda(form, recipe):
     """CUDA sm90+: rowwise torch._scaled_mm and torch._scaled_grouped_mm (forward, dgrad, wgrad,
     groups of 100, 0, 233, 179 tokens) against the reference provider on the same device: the
-    same FP8 operands and scales, fp32 accumulation in another order, so close, not equal."""
+    same FP8 operands and scales, fp32 accumulation in another order, so close, not equal. The
+    same for tensorwise with fp8_format='e4m3', whose expert GEMMs take the same grouped calls
+    (dense GEMMs: tensorwise torch._scaled_mm)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._scaled_grouped_mm needs sm90+")
     torch.manual_seed(0)
@@ -415,8 +507,8 @@ def test_rowwise_kernels_match_the_reference_on_cuda(form):
     model = model.to("cuda", torch.bfloat16)
     inputs = [i.to("cuda", torch.bfloat16) if i.is_floating_point() else i.to("cuda")
               for i in inputs]
-    ref = _step(model, inputs, "reference")
-    got = _step(model, inputs, "scaled_mm")
+    ref = _step(model, inputs, "reference", **E4M3_RECIPES[recipe])
+    got = _step(model, inputs, "scaled_mm", **E4M3_RECIPES[recipe])
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
 
@@ -425,9 +517,10 @@ def test_rowwise_kernels_match_the_reference_on_cuda(form):
 
 @pytest.mark.parametrize("name", ["deepseek", "mixtral"])
 def test_rowwise_lowers_every_gemm_tensorwise_lowers(name):
-    """FP8 coverage of GEMM FLOPs under rowwise equals tensorwise's on the tiny DeepSeek example
-    (MLA, bmm experts) and the tiny Hugging Face Mixtral (bf16, torch._grouped_mm experts), with
-    nothing excluded: the same linears lowered, the same FP8 FLOPs."""
+    """FP8 coverage of GEMM FLOPs under rowwise and under tensorwise's all-E4M3 format equals
+    tensorwise's (HYBRID) on the tiny DeepSeek example (MLA, bmm experts) and the tiny Hugging
+    Face Mixtral (bf16, torch._grouped_mm experts), with nothing excluded: the same linears
+    lowered, the same FP8 FLOPs."""
     if name == "deepseek":
         from examples import deepseek
 
@@ -444,10 +537,11 @@ def test_rowwise_lowers_every_gemm_tensorwise_lowers(name):
         model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16)
         inputs = [torch.randint(0, 256, (2, 64))]
     got = {}
-    for recipe in ("tensorwise", "rowwise"):
-        report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8=recipe, fp8_exclude=()))
+    for recipe, options in (("tensorwise", {"fp8": "tensorwise"}), ("rowwise", {"fp8": "rowwise"}),
+                            ("tensorwise_e4m3", E4M3_RECIPES["tensorwise_e4m3"])):
+        report = graphpass.plan(model, *inputs, config=graphpass.Config(fp8_exclude=(), **options))
         lowered = sorted(n.split(" (")[0] for n in report.notes if n.startswith("lowered: "))
         got[recipe] = (lowered, report.meta["fp8_coverage"]["fp8_flops"],
                        report.meta["fp8_coverage"]["fp8_share"])
-    assert got["rowwise"] == got["tensorwise"]
+    assert got["rowwise"] == got["tensorwise"] == got["tensorwise_e4m3"]
     assert any("experts" in n for n in got["rowwise"][0])

@@ -84,10 +84,10 @@ def _load_experts():
 
 
 def test_experts_benchmark_dry_run(tmp_path):
-    """benchmarks/experts_fp8.py on the CPU: bf16, FP8 rowwise and tensorwise rows with numbers,
-    a profile of the FP8 steps (one FP8 GEMM op per GEMM role: 6 for the two expert linears,
-    rowwise and tensorwise alike; tensorwise's per-expert _scaled_mm calls on top), every target
-    listed and none judged."""
+    """benchmarks/experts_fp8.py on the CPU: bf16, FP8 rowwise, tensorwise e4m3 and tensorwise
+    rows with numbers, a profile of the FP8 steps (one FP8 GEMM op per GEMM role: 6 for the two
+    expert linears, every recipe alike; HYBRID tensorwise's per-expert _scaled_mm calls for
+    dgrad and wgrad on top), every target listed and none judged."""
     experts = _load_experts()
     out = tmp_path / "experts.md"
     assert experts.main(["--dry-run", "--cases", "experts_8k", "--steps", "1",
@@ -96,17 +96,22 @@ def test_experts_benchmark_dry_run(tmp_path):
     assert "NOT GPU numbers" in text
     rows = {tuple(c.strip() for c in m.group(0).strip("|").split("|")[:2]): m.group(0)
             for m in re.finditer(r"^\| experts.*$", text, re.M)}
-    for config in ("bf16", "FP8 rowwise/scaled_mm", "FP8 tensorwise/scaled_mm"):
+    for config in ("bf16", "FP8 rowwise/scaled_mm", "FP8 tensorwise e4m3/scaled_mm",
+                   "FP8 tensorwise/scaled_mm"):
         cells = [c.strip() for c in rows[("experts, 8,192 tokens", config)].strip("|").split("|")]
         assert re.fullmatch(r"\d+\.\d\d", cells[2]), cells
         assert "failed" not in cells[-1], cells
     rowwise = [c.strip() for c in rows[("experts, 8,192 tokens", "FP8 rowwise/scaled_mm")]
                .strip("|").split("|")]
     assert rowwise[6] == "6"  # GEMM ops per step: no per-group _scaled_mm
+    e4m3 = [c.strip() for c in rows[("experts, 8,192 tokens", "FP8 tensorwise e4m3/scaled_mm")]
+            .strip("|").split("|")]
+    assert e4m3[6] == "6"
     tensorwise = [c.strip() for c in rows[("experts, 8,192 tokens", "FP8 tensorwise/scaled_mm")]
                   .strip("|").split("|")]
     assert float(tensorwise[6]) > 6
     targets = text.split("## Targets", 1)[1]
     assert "experts, 8,192 tokens: FP8 rowwise >= 1.0x bf16: not judged" in targets
-    assert "no per-expert loop" in targets
+    assert "no per-expert loop in the FP8 rowwise step" in targets
+    assert "no per-expert loop in the FP8 tensorwise e4m3 step" in targets
     assert "PASS" not in targets and "FAIL" not in targets

@@ -132,13 +132,16 @@ POLICIES = [dict(save_original="auto", memory="default"), dict(save_original="al
 # tests/test_fp8_experts.py::test_memory_passes_on_fp8_experts_are_bit_identical, per recipe, at
 # seq=128 (the capacity blockwise needs): the same assertions, so they are not repeated here.
 @pytest.mark.parametrize("module,fp8", [(llama, None), (llama, "tensorwise"), (llama, "mxfp8"),
-                                        (llama, "rowwise"), (deepseek, None)],
+                                        (llama, "rowwise"), (llama, "tensorwise_e4m3"),
+                                        (deepseek, None)],
                          ids=["llama-None", "llama-tensorwise", "llama-mxfp8", "llama-rowwise",
-                              "deepseek-None"])
+                              "llama-tensorwise_e4m3", "deepseek-None"])
 def test_passes_are_bit_identical(module, fp8):
-    base, _ = _compiled_grads(module, dict(fp8=fp8, **UNOPTIMISED), seq=64, layers=1)
+    options = dict(fp8="tensorwise", fp8_format="e4m3") if fp8 == "tensorwise_e4m3" else dict(
+        fp8=fp8)
+    base, _ = _compiled_grads(module, dict(**options, **UNOPTIMISED), seq=64, layers=1)
     for policy in POLICIES:
-        grads, _ = _compiled_grads(module, dict(fp8=fp8, **policy), seq=64, layers=1)
+        grads, _ = _compiled_grads(module, dict(**options, **policy), seq=64, layers=1)
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
 
 

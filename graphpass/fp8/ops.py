@@ -264,7 +264,7 @@ def _quantize_op(x: Tensor, recipe: str, role: str, usage: str,
     # tensorwise pair from one amax: the columnwise copy is the rowwise one transposed, bit for
     # bit (same scale, elementwise cast), so one 1-byte transpose replaces a second amax and cast
     # over x. Inductor inlines ``_quantize`` itself (fp8/inductor.py) and fuses both copies.
-    if usage == "both" and recipe == "tensorwise" and x.dim() == 2 and offs is None:
+    if usage == "both" and recipes.is_tensorwise(recipe) and x.dim() == 2 and offs is None:
         data, scale_inv = recipes.quantize(x, recipe, role)
         return [data, scale_inv, data.t().clone(memory_format=torch.contiguous_format),
                 scale_inv.clone()]

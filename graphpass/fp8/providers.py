@@ -5,8 +5,8 @@ A provider computes ``dequant(a) @ dequant(b).T (+ bias)`` for operands quantize
 
 * ``reference``: pure torch on any device; dequantizes exactly and accumulates in fp32.
 * ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and the CPU emulation); tensorwise and
-  rowwise scaling, expert GEMMs on ``torch._scaled_grouped_mm`` (sm90+; emulated on the CPU
-  under rowwise), and blockwise on Hopper through torch's cuBLASLt blockwise GEMM
+  rowwise scaling, expert GEMMs with E4M3 operands on ``torch._scaled_grouped_mm`` (sm90+;
+  emulated on the CPU), and blockwise on Hopper through torch's cuBLASLt blockwise GEMM
   (:mod:`graphpass.fp8.blockwise_gemm`).
 * ``te``: Transformer Engine's ``general_gemm`` (see :mod:`graphpass.fp8.te`).
 
@@ -82,7 +82,7 @@ class ScaledMM:
     def supports(self, recipe: str, device: torch.device) -> str | None:
         if recipe == blockwise_gemm.RECIPE:
             return blockwise_gemm.unsupported(device)
-        if recipe != "tensorwise" and not recipes.is_rowwise(recipe):
+        if not recipes.is_tensorwise(recipe) and not recipes.is_rowwise(recipe):
             return (f"torch._scaled_mm runs fp8='tensorwise', 'rowwise' or 'blockwise' here, "
                     f"not {recipe!r}")
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -115,35 +115,35 @@ class ScaledMM:
 
     def grouped_gemm(self, a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype,
                      bias, *, fast_accum=False):
-        """Token-grouped GEMM (``fp8_gemm`` with offsets). The forward (a (T, K) x b (G, N, K),
-        both E4M3) is one ``torch._scaled_grouped_mm`` on CUDA; anything else is one
-        ``_scaled_mm`` per group: the grouped kernel takes E4M3 operands only (tensorwise's E5M2
-        gradients), and the wgrad's groups split the contraction dimension, which it needs
-        aligned to 16 tokens. Rowwise: forward, dgrad and wgrad each one grouped call
-        (``rowwise_grouped_2d3d``, ``rowwise_grouped_2d2d``)."""
+        """Token-grouped GEMM (``fp8_gemm`` with offsets), as one ``torch._scaled_grouped_mm``
+        where both operands are E4M3: rowwise, tensorwise under ``fp8_format="e4m3"``, and
+        tensorwise HYBRID's forward (``rowwise_grouped_2d3d``: forward, dgrad;
+        ``rowwise_grouped_2d2d``: wgrad; a tensorwise scale given to each row it scales). Else
+        (HYBRID's E5M2 gradients, which the grouped kernel refuses) one ``_scaled_mm`` per
+        group."""
         if recipes.is_rowwise(recipe) and _rowwise_grouped_runs(a, bias):
             if b.dim() == 3:
                 return rowwise_grouped_2d3d(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
                                             fast_accum=fast_accum)
             return rowwise_grouped_2d2d(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
                                         fast_accum=fast_accum)
-        if b.dim() == 3 and _grouped_kernel_runs(a, b, bias):
-            return scaled_grouped_forward(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
-                                          fast_accum=fast_accum)
+        if _tensorwise_grouped_runs(recipe, a, b, bias):
+            return tensorwise_grouped(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
+                                      fast_accum=fast_accum)
         return grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
                             out_dtype, bias, _PerGroup(self), fast_accum=fast_accum)
 
     def batched_gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
                      bias, *, fast_accum=False):
-        """3-D operands (``fp8_gemm`` of ``bmm`` experts): the forward as one
-        ``torch._scaled_grouped_mm`` where it runs, else one ``_scaled_mm`` per expert. Rowwise:
-        forward, dgrad and wgrad alike as one ``torch._scaled_grouped_mm`` (3d x 3d)."""
+        """3-D operands (``fp8_gemm`` of ``bmm`` experts): one 3d x 3d
+        ``torch._scaled_grouped_mm`` (``rowwise_batched``) where both operands are E4M3, as for
+        token groups; else one ``_scaled_mm`` per expert."""
         if recipes.is_rowwise(recipe) and _rowwise_grouped_runs(a, bias):
             return rowwise_batched(a, a_scale_inv, b, b_scale_inv, out_dtype,
                                    fast_accum=fast_accum)
-        if a.shape[-1] % 16 == 0 and b.shape[1] % 16 == 0 and _grouped_kernel_runs(a, b, bias):
-            return _scaled_batched_forward(a, a_scale_inv, b, b_scale_inv, out_dtype,
-                                           fast_accum=fast_accum)
+        if _tensorwise_grouped_runs(recipe, a, b, bias):
+            return tensorwise_batched(a, a_scale_inv, b, b_scale_inv, out_dtype,
+                                      fast_accum=fast_accum)
         return batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
                             bias, _PerGroup(self), fast_accum=fast_accum)
 
@@ -301,25 +301,44 @@ def scaled_grouped_mm_emulated(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: T
     return out
 
 
-def _grouped_kernel_runs(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether ``torch._scaled_grouped_mm`` takes these operands: CUDA, no bias, both E4M3 (it
-    refuses tensorwise's E5M2 gradients)."""
-    return (a.device.type == "cuda" and bias is None and a.dtype == b.dtype == recipes.E4M3
-            and _compat.has_scaled_grouped_mm())
+def _tensorwise_grouped_runs(recipe: str, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a tensorwise grouped or batched GEMM runs as one ``torch._scaled_grouped_mm``:
+    both operands E4M3 (every GEMM under ``fp8_format="e4m3"``, the forward under HYBRID, whose
+    E5M2 gradients the kernel refuses), where the rowwise grouped GEMMs run."""
+    return (recipes.is_tensorwise(recipe) and a.dtype == b.dtype == recipes.E4M3
+            and _rowwise_grouped_runs(a, bias))
 
 
-def _scaled_batched_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
-                            out_dtype: torch.dtype, *, fast_accum: bool = False) -> Tensor:
-    """``torch._scaled_grouped_mm`` without offsets (its 3d x 3d form) for a tensorwise batched
-    GEMM: a (G, M, K) and b (G, N, K), one scale per expert each, given to each of the expert's
-    rows and columns (the same products). Close to one ``_scaled_mm`` per expert, not always
-    bit-identical (fp32 accumulation in another order; an H100 with torch 2.11 differed in the
-    last bf16 bit at (4, 128, 128, 256)); the loop was 256 GEMM launches and a stack per
+def tensorwise_grouped(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+                       offs: Tensor, out_dtype: torch.dtype, *,
+                       fast_accum: bool = False) -> Tensor:
+    """A tensorwise GEMM over token groups as the rowwise grouped call of the same products: the
+    kernel scales rows of a and columns of b, so each scale is given to each row it scales, in
+    its own contiguous allocation. Forward and dgrad (b (G, N, K)): a (T, K) with one scale per
+    token group becomes (T,) (rows past ``offs[-1]`` take the last group's, and their outputs
+    are 0), b's one per expert (G, N). Wgrad (a (M, T), b (N, T), one scale per group each):
+    (G, M) and (G, N)."""
+    groups = offs.shape[0]
+    if b.dim() == 3:
+        rows = _group_of_rows(offs, a.shape[0]).clamp(max=groups - 1)
+        return rowwise_grouped_2d3d(a, a_scale_inv.float()[rows], b,
+                                    _per_group(b_scale_inv, b.shape[1]), offs, out_dtype,
+                                    fast_accum=fast_accum)
+    return rowwise_grouped_2d2d(a, _per_group(a_scale_inv, a.shape[0]), b,
+                                _per_group(b_scale_inv, b.shape[0]), offs, out_dtype,
+                                fast_accum=fast_accum)
+
+
+def tensorwise_batched(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+                       out_dtype: torch.dtype, *, fast_accum: bool = False) -> Tensor:
+    """A tensorwise batched GEMM (``bmm`` experts: a (G, M, K), b (G, N, K), one scale per
+    expert each) as the rowwise 3d x 3d call of the same products: each expert's scale given to
+    each of its rows, (G, M) and (G, N). Close to one ``_scaled_mm`` per expert on CUDA, not
+    always bit-identical (fp32 accumulation in another order: an H100 with torch 2.11 differed
+    in the last bf16 bit at (4, 128, 128, 256)); the loop was 256 GEMM launches and a stack per
     DeepSeek-V3 layer: its FP8 step went from 210.7 to 162.5 ms."""
-    m, n = a.shape[1], b.shape[1]
-    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), _per_group(a_scale_inv, m),
-                                    _per_group(b_scale_inv, n), out_dtype=out_dtype,
-                                    use_fast_accum=fast_accum)
+    return rowwise_batched(a, _per_group(a_scale_inv, a.shape[1]), b,
+                           _per_group(b_scale_inv, b.shape[1]), out_dtype, fast_accum=fast_accum)
 
 
 def _per_group(scale_inv: Tensor, size: int) -> Tensor:
@@ -361,23 +380,6 @@ class _PerGroup:
 
     def __init__(self, provider: Provider) -> None:
         self.gemm = provider.gemm
-
-
-def scaled_grouped_forward(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
-                           offs: Tensor, out_dtype: torch.dtype, *,
-                           fast_accum: bool = False) -> Tensor:
-    """``torch._scaled_grouped_mm`` for a tensorwise grouped forward: a (T, K) with one scale per
-    token group, b (G, N, K) with one per expert. The kernel scales rows of a and columns of b,
-    so each group's scale is given to each of its rows and each expert's to each of its columns
-    (the same products); rows past ``offs[-1]``, which the kernel leaves unwritten, are 0."""
-    t, groups, n = a.shape[0], b.shape[0], b.shape[1]
-    rows = torch.arange(t, device=a.device, dtype=offs.dtype)
-    group = torch.searchsorted(offs, rows, right=True)
-    scale_a = a_scale_inv.float()[group.clamp(max=groups - 1)].contiguous()
-    scale_b = _per_group(b_scale_inv, n)
-    out = _compat.scaled_grouped_mm(a, b.transpose(-2, -1), scale_a=scale_a, scale_b=scale_b,
-                                    offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
-    return torch.where((group < groups)[:, None], out, out.new_zeros(()))
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype, bias,

@@ -7,7 +7,9 @@ depend on input shapes only, so it can be traced by torch.compile.
 
 Recipes (``get_recipe(name)``):
 
-* ``"tensorwise"``: TE ``Float8CurrentScaling``. One fp32 scale per tensor.
+* ``"tensorwise"``: TE ``Float8CurrentScaling``. One fp32 scale per tensor, TE's default HYBRID
+  format (E4M3 inputs and weights, E5M2 gradients). ``"tensorwise_e4m3"`` is the same recipe in
+  TE's ``Format.E4M3`` (E4M3 in every role; ``Config(fp8_format="e4m3")``).
 * ``"blockwise"``: TE ``Float8BlockScaling`` (DeepSeek-V3). fp32 scales per 1x128 block for
   activations and gradients, per 128x128 tile for weights; power-of-2 scales by default.
 * ``"mxfp8"``: TE ``MXFP8BlockScaling``. One E8M0 (power-of-2) scale per 1x32 block.
@@ -80,11 +82,13 @@ __all__ = [
     "Role",
     "Recipe",
     "TENSORWISE",
+    "TENSORWISE_E4M3",
     "BLOCKWISE",
     "MXFP8",
     "ROWWISE",
     "ROWWISE_POW2",
     "is_rowwise",
+    "is_tensorwise",
     "fp8_max",
     "get_recipe",
     "fp8_dtype",
@@ -156,14 +160,15 @@ class Recipe:
 
 
 TENSORWISE = Recipe("tensorwise", "HYBRID", power_2_scales=False)
+TENSORWISE_E4M3 = Recipe("tensorwise", "E4M3", power_2_scales=False)
 BLOCKWISE = Recipe("blockwise", "E4M3", power_2_scales=True)
 MXFP8 = Recipe("mxfp8", "E4M3", power_2_scales=True)
 ROWWISE = Recipe("rowwise", "E4M3", power_2_scales=False)
 ROWWISE_POW2 = Recipe("rowwise", "E4M3", power_2_scales=True)
 _DEFAULTS = {r.name: r for r in (TENSORWISE, BLOCKWISE, MXFP8, ROWWISE)}
 # Recipe names as graph ops carry them (a string argument): the rowwise variant with power-of-two
-# scales has its own.
-_KEYS = {**_DEFAULTS, "rowwise_pow2": ROWWISE_POW2}
+# scales and tensorwise in TE's all-E4M3 format have their own.
+_KEYS = {**_DEFAULTS, "rowwise_pow2": ROWWISE_POW2, "tensorwise_e4m3": TENSORWISE_E4M3}
 
 
 def _names() -> str:
@@ -190,6 +195,12 @@ def recipe_key(name: str, power_2_scales: bool = False) -> str:
     if power_2_scales and name != "rowwise":
         raise ValueError(f"power-of-two scales are an option of fp8='rowwise', not {name!r}")
     return "rowwise_pow2" if power_2_scales else name
+
+
+def is_tensorwise(recipe: "Recipe | str") -> bool:
+    """One scale per tensor (per expert or token group over experts): ``"tensorwise"`` and
+    ``"tensorwise_e4m3"``."""
+    return _as_recipe(recipe).name == "tensorwise"
 
 
 def is_rowwise(recipe: "Recipe | str") -> bool:

@@ -10,8 +10,10 @@ The GEMMs of a grouped or batched ``fp8_gemm`` (MoE experts: one per token group
 the per-group wgrads) go to TE in one ``general_grouped_gemm`` call, TE's multi-stream grouped
 GEMM (what its ``GroupedLinear`` calls), not one ``general_gemm`` per group.
 
-Only per-tensor scaling (``fp8="tensorwise"``) is wired to TE here: TE's block-scaled storages
-expect padded, GEMM-swizzled scale layouts that differ between TE releases.
+Only per-tensor scaling (``fp8="tensorwise"``) is wired to TE here, in both of TE's formats for it
+(``fp8_format="hybrid"``: ``Format.HYBRID``, E5M2 gradients; ``"e4m3"``: ``Format.E4M3``): each
+operand's storage carries its own FP8 dtype, which is all TE's GEMM reads of the format. TE's
+block-scaled storages expect padded, GEMM-swizzled scale layouts that differ between TE releases.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class TransformerEngine:
     def supports(self, recipe: str, device: torch.device) -> str | None:
         if device.type != "cuda":
             return "Transformer Engine kernels need CUDA"
-        if recipe != "tensorwise":
+        if recipe not in ("tensorwise", "tensorwise_e4m3"):
             return f"the TE provider runs fp8='tensorwise', not {recipe!r}; use kernels='reference'"
         return None
 

@@ -120,7 +120,7 @@ def _match(gather: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | st
         return (f"the gathered {_dtype(wait)} is also read by {', '.join(sorted(set(others)))}: "
                 "quantized after the all-gather")
     recipes_ = sorted({q.args[1] for q in quantizes})
-    if recipes_ != ["tensorwise"]:
+    if len(recipes_) != 1 or not recipes.is_tensorwise(recipes_[0]):
         return (f"{', '.join(recipes_)} scales: the FP8 all-gather is for tensorwise scaling "
                 "only (docs/distributed.md): quantized after the all-gather")
     if len({q.args[2] for q in quantizes}) != 1:

@@ -67,10 +67,11 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         _rewrite(joint, lin, config.fp8_recipe, provider.name, quantized, config.fp8_accumulate)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
-        plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{config.fp8}{extra}", lin.module),
+        shown = "tensorwise_e4m3" if config.fp8_recipe == "tensorwise_e4m3" else config.fp8
+        plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{shown}{extra}", lin.module),
                     once=True)
         if provider.name == "scaled_mm" and (lin.offs is not None or lin.w.meta["val"].dim() == 3):
-            plan.decide(Decision(What.GROUPED_GEMMS, "fp8", _grouped_kernels(config.fp8),
+            plan.decide(Decision(What.GROUPED_GEMMS, "fp8", _grouped_kernels(config.fp8_recipe),
                                  lin.module), once=True)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
     for gemm in gemms.gemms(joint):
@@ -116,16 +117,16 @@ def _slower_in_fp8(linears: list[Linear], config: Config) -> dict[fx.Node, str]:
 
 def _grouped_kernels(recipe: str) -> str:
     """How the scaled_mm provider runs an expert linear's three GEMMs (fp8/providers.py)."""
-    if recipe == "rowwise":
+    if recipes.is_rowwise(recipe) or recipe == "tensorwise_e4m3":
         return ("forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA sm90+, its "
                 "emulation on the CPU; one torch._scaled_mm per expert on older GPUs)")
     if recipe == "blockwise":
         return ("forward, dgrad and wgrad one blockwise torch scaled_mm per expert: torch has no "
                 "grouped blockwise FP8 GEMM")
-    return ("forward one torch._scaled_grouped_mm on CUDA sm90+; dgrad and wgrad one "
-            "torch._scaled_mm per expert: their gradient operand is E5M2 (tensorwise's HYBRID "
-            "format), which the grouped kernel refuses (E4M3 only); fp8='rowwise' runs all three "
-            "as one grouped kernel each")
+    return ("forward one torch._scaled_grouped_mm (CUDA sm90+, its emulation on the CPU); dgrad "
+            "and wgrad one torch._scaled_mm per expert: their gradient operand is E5M2 "
+            "(tensorwise's HYBRID format), which the grouped kernel refuses (E4M3 only); "
+            "fp8_format='e4m3' or fp8='rowwise' runs all three as one grouped kernel each")
 
 
 def why_not_lowered(lin: Linear, config: Config) -> str | None:
