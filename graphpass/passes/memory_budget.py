@@ -9,11 +9,11 @@ applied before this pass, whose savings the budget then counts.
 The plan is greedy against the predicted peak (``graph/peak.py``) of torch's min-cut: while the
 peak is over budget, of the saved tensors live at the peak, take the choice (recompute its
 producer, or offload it) that costs the least added time per byte, re-partition, and keep it if
-the peak fell. Time is a roofline (:class:`Roofline`): a recompute costs its FLOPs at the GEMM
-rate or its bytes at the memory bandwidth, whichever is slower; an offload costs its copy out and
-back over the host link, nothing while the copies fit under the step's compute on a separate
-stream (CUDA, ``offload_stream``). The numbers are an H100's unless given: graphpass measures
-nothing. On a CPU device an offload frees nothing (the host is the device), so only recomputes
+the peak fell. Time is a roofline of the device the FP8 cost model uses too
+(``graph/roofline.py``, an H100: graphpass measures nothing): a recompute costs its FLOPs at the
+GEMM rate or its bytes at the memory bandwidth, whichever is slower; an offload costs its copy out
+and back over the host link, nothing while the copies fit under the step's compute on a separate
+stream (CUDA, ``offload_stream``). On a CPU device an offload frees nothing (the host is the device), so only recomputes
 are weighed there.
 
 Before the greedy search, the smallest peak the budget can reach is computed once (everything
@@ -24,7 +24,6 @@ that lowers the peak alone may not), that all-in plan is used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,10 +34,10 @@ from .. import _compat
 from .._compat import size_hint
 from ..config import Config
 from ..decisions import Decision, Plan, What
-from ..fp8 import cost
 from ..graph.flops import node_flops, step_flops
 from ..graph.nodes import is_random, module_path, op_name, producer
 from ..graph.regions import forward_calls
+from ..graph.roofline import H100
 from ..report import format_bytes
 from .offload import why_not_offloaded
 from .tags import user_policy
@@ -51,27 +50,6 @@ H100_MEMORY = 80 * 2**30
 """The device memory a fractional budget is a share of when no CUDA device is present."""
 
 
-@dataclass(frozen=True)
-class Roofline:
-    """A device's rates, for the time a choice adds (H100 SXM by default)."""
-
-    flops: float = cost.H100.bf16_flops
-    """Dense bf16 tensor-core FLOP/s (FP8: twice that); the FP8 cost model's H100 numbers."""
-    fp32_flops: float = 67e12
-    """FP32 FLOP/s without TF32 (torch's default for fp32 matmuls)."""
-    memory_bandwidth: float = cost.H100.bandwidth
-    """HBM3 bytes/s."""
-    host_link: float = 50e9
-    """Host-device copy bytes/s each way (PCIe Gen5 x16, ~64 GB/s peak)."""
-
-    def compute(self, flops: float, nbytes: float, dtype: torch.dtype | None = None) -> float:
-        rate = (self.fp32_flops if dtype in (torch.float32, torch.float64)
-                else 2 * self.flops if dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-                else self.flops)
-        return max(flops / rate, nbytes / self.memory_bandwidth)
-
-
-H100 = Roofline()
 
 
 def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
@@ -116,7 +94,7 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 options.append((needs_more, seconds / live["bytes"], "recompute", source,
                                 live["bytes"]))
             if (node.name, "offload") not in tried and node in offloadable:
-                copy = 2 * live["bytes"] / H100.host_link
+                copy = 2 * H100.copy(live["bytes"])
                 hidden = overlap and offload_time + copy <= step_time
                 options.append((False, (0.0 if hidden else copy) / live["bytes"], "offload", node,
                                 live["bytes"]))
@@ -148,7 +126,7 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         tried.update((node.name, action) for _, action, node, _ in size)
         for _, action, node, nbytes in size:
             if action == "offload":
-                offload_time += 2 * nbytes / H100.host_link
+                offload_time += 2 * H100.copy(nbytes)
             chosen.append(Decision(What.BUDGETED, "memory_budget", (
                 f"{action} {node.name} ({op_name(node)}, {format_bytes(nbytes)}; "
                 f"step peak {format_bytes(peak['bytes'])} -> {format_bytes(new_peak['bytes'])})"),
