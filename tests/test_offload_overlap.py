@@ -12,6 +12,7 @@ prefetch each reload in the backward ahead of its first use by as much compute a
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -178,3 +179,68 @@ def test_offload_copies_of_the_partitioned_graphs(monkeypatch):
     assert copies[0].back_window > copies[1].back_window > copies[2].back_window
     # the last layer's output is read by the backward's first GEMMs: its copy back cannot hide
     assert copies[2].back_late > 0 and not copies[2].hidden
+
+
+def test_copy_schedule_by_hand():
+    """Two 50 MB copies (1 ms each way on the H100's 50 GB/s link) in a 3 ms forward and a 3 ms
+    backward: ``a`` last used 2.5 ms before the forward's end and first used 2.5 ms into the
+    backward, ``b`` 1.5 ms and 1.5 ms. Out, one at a time: a 0.5-1.5, b 1.5-2.5: hidden. Back,
+    as late as each use allows: b 0.5-1.5, a 1.5-2.5: hidden. A third copy ``c`` used
+    0.5 ms before the end and 0.5 ms into the backward runs out 2.5-3.5 (0.5 ms late) and would
+    have to start back at -0.5 ms: it adds 1 ms, and only it is late."""
+    from graphpass.graph.offload_copies import Windows
+
+    w = Windows(forward=3e-3, backward=3e-3, out={"a": 2.5e-3, "b": 1.5e-3, "c": 0.5e-3},
+                back={"a": 2.5e-3, "b": 1.5e-3, "c": 0.5e-3})
+    mb50 = 50_000_000
+    assert w.late([("a", mb50), ("b", mb50)]) == 0.0
+    late = w.schedule([("a", mb50), ("b", mb50), ("c", mb50)])
+    assert late["a"] == late["b"] == (0.0, 0.0)
+    assert late["c"] == pytest.approx((0.5e-3, 0.5e-3))
+    assert w.late([("a", mb50), ("b", mb50), ("c", mb50)]) == pytest.approx(1e-3)
+    assert w.late([("c", mb50 // 2)]) == 0.0  # 0.5 ms each way fits its own windows
+
+
+def _tiny_llama_step(**options):
+    import graphpass
+    from examples import llama
+
+    torch._dynamo.reset()
+    model, (x,) = llama.build("tiny", layers=2, seq=64)
+    x = x.detach().requires_grad_()
+    if options.get("offload"):
+        options["offload_min_bytes"] = 32768
+    backend = graphpass.backend(codegen="eager", fp8="tensorwise", **options)
+    torch.compile(model, backend=backend)(x).float().pow(2).mean().backward()
+    return [x.grad, *(p.grad for p in model.parameters())], backend.report()
+
+
+def test_offload_hidden_only_keeps_the_offloads_whose_copies_hide():
+    """Of what ``offload=True`` offloads, ``offload_hidden_only`` keeps the tensors whose copies
+    the H100 roofline hides (on the tiny layer, a few microseconds of compute: some); every other
+    one stays on the device and says why, with its copy time and windows; gradients are
+    bit-identical to the step without offload."""
+    base, _ = _tiny_llama_step()
+    every_grads, every = _tiny_llama_step(offload=True)
+    grads, hidden = _tiny_llama_step(offload=True, offload_hidden_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, base))
+    assert all(torch.equal(a, b) for a, b in zip(every_grads, base))
+    offloaded = {r.name.removeprefix("cpu_offload_") for r in hidden.rows if r.offloaded}
+    all_offloaded = {r.name.removeprefix("cpu_offload_") for r in every.rows if r.offloaded}
+    kept = {r.name for r in hidden.rows if "offload: no (copy not hidden: " in r.decision}
+    assert offloaded and kept and offloaded | kept == all_offloaded and not offloaded & kept
+    assert [n for n in hidden.notes if n.startswith("offload copy not hidden")] == []
+    assert len([n for n in hidden.notes if n.startswith("offload copy: ")]) == len(offloaded)
+    assert [n for n in every.notes if n.startswith("offload copy not hidden")]
+    row = next(r for r in hidden.rows if r.name in kept)
+    assert re.search(r"copy not hidden: [\d.]+ us each way, under [\d.]+ us of forward compute "
+                     r"after its last use and [\d.]+ us of backward compute before its first",
+                     row.decision), row.decision
+
+
+def test_offload_hidden_only_needs_offload():
+    import graphpass
+
+    with pytest.raises(ValueError, match="offload_hidden_only=True has no effect without "
+                                         "offload=True"):
+        graphpass.Config(offload_hidden_only=True)
