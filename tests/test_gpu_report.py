@@ -48,7 +48,12 @@ def test_dry_run_writes_every_section(tmp_path):
         assert re.fullmatch(r"\d+\.\d\d", cells[1]), rows[label]
         assert "failed" not in rows[label], rows[label]
         assert re.search(r"\d+(\.\d+)? [KM]iB", rows[label]), rows[label]
-    # The offloaded plan keeps fewer bytes on the device than the plain one.
+    # The offload rows say what the plan offloads and how many copies hide (H100 roofline): all
+    # of them with offload_hidden_only
+    assert re.search(r"planned: \d+ offloaded \([^)]*\), copies of \d+ hidden, \d+ not",
+                     rows["offload + stream"]), rows["offload + stream"]
+    assert re.search(r"planned: [1-9]\d* offloaded \([^)]*\), copies of [1-9]\d* hidden, 0 not",
+                     rows["offload + stream, hidden copies only"])
     assert "memory not measured on CPU" in text
     targets = text.split("## Targets", 1)[1]
     llama = "Llama-3-8B layer, seq 8192"

@@ -70,10 +70,12 @@ def offload_hidden(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             continue
         node.meta.pop("should_offload")
         copy = H100.copy(nbytes)
+        busy = (": it would hide alone, but the link is busy with larger copies"
+                if stream and windows.late([(node.name, nbytes)]) <= 0 else "")
         why = (f"copy not hidden: {format_seconds(copy)} each way, "
                + (f"under {format_seconds(windows.out[node.name])} of forward compute after its "
                   f"last use and {format_seconds(windows.back[node.name])} of backward compute "
-                  f"before its first{', the link busy with larger copies' if chosen else ''}"
+                  f"before its first{busy}"
                   if stream else "offload_stream=False copies on the default stream"))
         record(node, offload=Decision(What.NOT_OFFLOADED, "offload", why, node=node.name))
 
