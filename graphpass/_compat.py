@@ -221,7 +221,8 @@ def min_cut_settings(*, relaxed: bool, offload: bool, offload_stream: bool) -> I
     activation offloading of nodes tagged ``should_offload``, and ``offload_stream`` its
     separate-stream mode (CUDA only) with its sink-wait and reload-prefetch options (every
     supported version has the three; 2.11 builds them from ``streams::`` fork/join/event ops
-    around ``device_put``, 2.12+ from ``ao::offload``/``ao::reload``/``ao::wait_tensor``).
+    around ``device_put``, 2.13 from ``ao::offload``/``ao::reload``/``ao::wait_tensor``; 2.12,
+    2.14 and 2.15 were not inspected).
     """
     from torch._functorch import config as functorch_config
 
@@ -478,7 +479,7 @@ def is_non_overlapping_and_dense(val: torch.Tensor) -> bool:
 def offloaded_source(node: fx.Node) -> fx.Node | None:
     """The tensor a node of torch's activation offloading moves to the host, or None for any
     other node. The node is ``cpu_offload_<name>``: a ``prims.device_put`` to the host (torch
-    2.11, and every version without the separate stream), or on 2.12+'s separate stream the
+    2.11, and every version without the separate stream), or on 2.13's separate stream the
     ``ao.wait_tensor`` of an ``ao.offload``."""
     if not node.name.startswith("cpu_offload_") or node.op != "call_function":
         return None
@@ -499,7 +500,7 @@ def offload_issue(node: fx.Node) -> fx.Node:
 
 def reload_of(offloaded: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """For a backward input that torch's offloading reloads (a ``cpu_offload_<name>``
-    placeholder): the node that starts the copy back (a ``device_put``, or 2.12+'s
+    placeholder): the node that starts the copy back (a ``device_put``, or 2.13's
     ``ao.reload``) and the node whose value the backward reads (the ``device_put`` itself, or
     the ``ao.wait_tensor`` of the ``ao.reload``); None for any other node."""
     for user in offloaded.users:

@@ -3,7 +3,7 @@ supports, read from partitioned graphs of fake CUDA tensors (no GPU needed to pa
 what graphpass makes of them: the offloaded tensors, their copy windows and the step's peak.
 
 torch 2.11 builds the separate stream from ``streams::`` fork/join/event ops around
-``prims.device_put``; 2.12+ from ``ao::offload``/``ao::reload``/``ao::wait_tensor``. Both issue a
+``prims.device_put``; 2.13 from ``ao::offload``/``ao::reload``/``ao::wait_tensor``. Both issue a
 tensor's copy out right after its last forward use, sink the waits to the forward's end, and
 prefetch each reload in the backward ahead of its first use by as much compute as its copy takes
 (timed here by the H100 roofline in place of torch's benchmark of each node on the GPU).
@@ -81,7 +81,7 @@ def _name(node: fx.Node) -> str:
 
 
 def _offload_waits(fw: fx.GraphModule) -> list[fx.Node]:
-    """The forward's waits for its copies out: 2.12+'s ``ao.wait_tensor`` of an ``ao.offload``;
+    """The forward's waits for its copies out: 2.13's ``ao.wait_tensor`` of an ``ao.offload``;
     on 2.11 the compute stream's ``wait_event`` of the event recorded after each ``device_put``."""
     nodes = list(fw.graph.nodes)
     waits = [n for n in nodes if _name(n) == "ao.wait_tensor.default"]

@@ -1,6 +1,6 @@
 """Whether each offloaded tensor's copies hide under compute: a roofline of the two copy streams.
 
-torch's activation offloading (every supported version, separate-stream mode) issues a tensor's
+torch's activation offloading (separate-stream mode, torch 2.11 and 2.13 alike) issues a tensor's
 copy to the host right after its last forward use, on a side stream, and waits for every such
 copy at the forward's end; in the backward it issues the copy back ahead of the first use, as far
 ahead as the compute in between takes to cover the copy (torch times that compute), and waits
