@@ -8,8 +8,10 @@ Sections: the ``pytest -m gpu`` results; the step time of the real-size Llama-3-
 FP8 tensorwise with scaled_mm as by default (every quantize fused, fast forward accumulation),
 with opaque quantizes, with precise accumulation everywhere, blockwise, torchao float8 +
 compile, all in the same run), each with its measured activation memory next to
-``graphpass.plan``'s prediction and its step peak; the 4-layer Llama at seq 8192 with and without
-offload; PASS/FAIL lines for the targets (``TARGETS`` below).
+``graphpass.plan``'s prediction and its step peak; the 4-layer Llama at seq 8192 without offload,
+offloading every eligible tensor, and offloading only what hides under compute
+(``offload_hidden_only``; the targets judge that one); PASS/FAIL lines for the targets
+(``TARGETS`` below).
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes with graphpass's reference kernels and
 aot_eager in place of Inductor (and 2 offload layers instead of 4), so the script cannot rot
@@ -117,6 +119,13 @@ def predicted_bytes(model_name: str, options: dict[str, object] | None, mode: Mo
                     layers: int = 1) -> tuple[int | None, str]:
     """``graphpass.plan``'s activation bytes for the same model, size and config, less the saved
     model inputs."""
+    report, why = planned(model_name, options, mode, layers)
+    return (None, why) if report is None else (_activation_bytes(report), "")
+
+
+def planned(model_name: str, options: dict[str, object] | None, mode: Mode,
+            layers: int = 1) -> tuple[graphpass.Report | None, str]:
+    """``graphpass.plan``'s report for the same model, size and config, or why there is none."""
     build = importlib.import_module(f"examples.{model_name}").build
     model, inputs = build(mode.size, layers=layers, dtype=torch.bfloat16,
                           device="meta" if mode.size == "real" else "cpu")
@@ -135,13 +144,25 @@ def predicted_bytes(model_name: str, options: dict[str, object] | None, mode: Mo
         except ValueError as e:
             return None, reason(e)
     try:
-        report = graphpass.plan(model, *inputs, config=cfg)
+        return graphpass.plan(model, *inputs, config=cfg), ""
     except Exception as e:  # planning is a CPU trace: a failure here is a graphpass bug to report
         return None, f"plan failed: {reason(e)}"
+
+
+def _activation_bytes(report: graphpass.Report) -> int:
     # The measurement starts with the model's inputs allocated; the plan counts a saved input
     # (the layer input the first norm needs) as an activation. Compare what the forward creates.
     inputs = sum(r.bytes for r in report.rows if r.op == "input" and r.is_activation)
-    return report.activation_bytes - inputs, ""
+    return report.activation_bytes - inputs
+
+
+def copies_planned(report: graphpass.Report) -> str:
+    """How many offloaded tensors the plan's copy notes find hidden under compute (H100
+    roofline), and how many not."""
+    hidden = sum(d.what is graphpass.What.OFFLOAD_COPY for d in report.decisions)
+    not_hidden = sum(d.what is graphpass.What.OFFLOAD_NOT_HIDDEN for d in report.decisions)
+    return (f"planned: {hidden + not_hidden} offloaded ({_bytes(report.offloaded_bytes)}), copies "
+            f"of {hidden} hidden, {not_hidden} not (H100 roofline)")
 
 
 def run_pytest_gpu(timeout_s: int) -> tuple[str, str]:
@@ -254,34 +275,40 @@ def step_section(report: Report, mode: Mode, models: list[str], deadline: float)
     return by_model
 
 
-def offload_section(report: Report, mode: Mode, deadline: float) -> tuple[Result, Result]:
+def offload_section(report: Report, mode: Mode, deadline: float) -> tuple[Result, Result, Result]:
     m = mode
     layers = m.offload_layers
     report.add(f"## Offload: {layers}-layer Llama", "",
                f"_{m.label}._ graphpass FP8 tensorwise/{m.kernels}, {layers} Llama layers "
-               f"({m.size} size), without and with `offload=True, offload_stream=True`. Peak: "
-               "the step's peak above weights, inputs and gradients.", "",
+               f"({m.size} size), without and with `offload=True, offload_stream=True`, every "
+               "eligible tensor or with `offload_hidden_only=True` (the tensors whose copies the "
+               "H100 roofline hides). Peak: the step's peak above weights, inputs and "
+               "gradients.", "",
                "| config | median ms | measured activations | predicted | step peak | note |",
                "|---|---|---|---|---|---|")
     base = {"fp8": "tensorwise", "kernels": m.kernels}
     offload = {**base, "offload": True, "offload_stream": True}
     if m.offload_min_bytes is not None:
         offload["offload_min_bytes"] = m.offload_min_bytes
+    hidden = {**offload, "offload_hidden_only": True}
     out = []
-    for label, options in (("without offload", base), ("offload + stream", offload)):
+    for label, options in (("without offload", base), ("offload + stream", offload),
+                           ("offload + stream, hidden copies only", hidden)):
         if time.monotonic() > deadline:
             r = Result("llama", label, note="skipped: the report's time budget ran out")
         else:
             r = run_config("llama", label, options, m.size, m.codegen, m.device, m.steps,
                            layers=layers, warmup=m.warmup)
-        predicted, why = predicted_bytes("llama", options, m, layers=layers)
-        note = _notes(r.note, why)
+        plan, why = planned("llama", options, m, layers=layers)
+        predicted = None if plan is None else _activation_bytes(plan)
+        copies = copies_planned(plan) if plan is not None and options.get("offload") else ""
+        note = _notes(r.note, why, copies)
         report.add(f"| {label} | {_ms(r)} | {_bytes(r.activation_bytes)} | {_bytes(predicted)} | "
                    f"{_bytes(r.step_peak_bytes)} | {note} |")
         print(f"[offload] {label}: {_ms(r)} ms {note}", file=sys.stderr, flush=True)
         out.append(r)
     report.add("")
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
 def _speed_target(report: Report, name: str, base: Row | None, row: Row | None,
@@ -294,7 +321,8 @@ def _speed_target(report: Report, name: str, base: Row | None, row: Row | None,
                   f"measured {s:.2f}x" if s else missing)
 
 
-def judge(report: Report, by_model: dict[str, list[Row]], off: tuple[Result, Result]) -> None:
+def judge(report: Report, by_model: dict[str, list[Row]], off: tuple[Result, Result, Result]
+          ) -> None:
     for model_name, model_rows in by_model.items():
         rows = {row.result.config: row for row in model_rows}
         bf16 = next((r for c, r in rows.items() if c.startswith("bf16")), None)
@@ -329,14 +357,14 @@ def judge(report: Report, by_model: dict[str, list[Row]], off: tuple[Result, Res
                           None if match is None else abs(match - 1) <= PLAN_TOLERANCE,
                           f"measured / predicted = {match:.3f}" if match else
                           "memory not measured" + (" on CPU" if report.mode.dry_run else ""))
-    without, with_ = off
+    without, _, with_ = off  # the targets are for the offload that pays: hidden copies only
     cut = None if without.step_peak_bytes is None or with_.step_peak_bytes is None else \
         1 - with_.step_peak_bytes / without.step_peak_bytes
     slow = _ratio(with_.ms, without.ms)
-    report.target(f"offload: activation peak >= {OFFLOAD_PEAK_CUT:.0%} lower",
+    report.target(f"offload (hidden copies only): activation peak >= {OFFLOAD_PEAK_CUT:.0%} lower",
                   None if cut is None else cut >= OFFLOAD_PEAK_CUT,
                   f"{cut:.1%} lower" if cut is not None else "peak not measured")
-    report.target(f"offload: step <= {OFFLOAD_SLOWDOWN:.0%} longer",
+    report.target(f"offload (hidden copies only): step <= {OFFLOAD_SLOWDOWN:.0%} longer",
                   None if slow is None else slow <= 1 + OFFLOAD_SLOWDOWN,
                   f"{slow - 1:+.1%}" if slow else "a row did not run")
 
@@ -352,7 +380,8 @@ OFFLOAD_ALONE_PEAK_CUT = 0.30
 
 def peak_configs(mode: Mode) -> list[tuple[str, int, dict[str, object]]]:
     """(label, Llama layers, graphpass options): every memory policy on one layer, then the
-    4-layer FP8 step without and with offload; the budget row is added from the measurement."""
+    4-layer FP8 step without offload, with every eligible tensor offloaded and with hidden copies
+    only; the budget row is added from the measurement."""
     k = mode.kernels
     fp8 = {"fp8": "tensorwise", "kernels": k}
     layers = mode.offload_layers
@@ -373,6 +402,8 @@ def peak_configs(mode: Mode) -> list[tuple[str, int, dict[str, object]]]:
         *one_layer,
         (f"FP8 tensorwise/{k}, {layers} layers", layers, fp8),
         (f"FP8 tensorwise/{k}, {layers} layers, offload + stream", layers, offload),
+        (f"FP8 tensorwise/{k}, {layers} layers, offload + stream, hidden copies only", layers,
+         {**offload, "offload_hidden_only": True}),
     ]
 
 
@@ -469,8 +500,8 @@ def peak_section(report: Report, mode: Mode, deadline: float) -> None:
     configs = peak_configs(m)
     for label, layers, options in configs:
         row(label, layers, options)
-    base_label, layers, base = configs[-2]
-    offload_label = configs[-1][0]
+    base_label, layers, base = configs[-3]
+    offload_label = configs[-1][0]  # offload alone that pays: hidden copies only
     unbudgeted = results[base_label][0]
     # a tiny model's peak is mostly weights and gradients: 60% is out of reach there
     share = DRY_RUN_BUDGET_SHARE if m.dry_run else BUDGET_SHARE
@@ -492,11 +523,11 @@ def peak_section(report: Report, mode: Mode, deadline: float) -> None:
     _, off_measured, off_ms = results[offload_label]
     cut = (None if off_measured is None or base_measured is None
            else 1 - off_measured / base_measured)
-    report.target(f"offload alone: step peak >= {OFFLOAD_ALONE_PEAK_CUT:.0%} lower",
+    report.target(f"offload alone (hidden copies only): step peak >= {OFFLOAD_ALONE_PEAK_CUT:.0%} lower",
                   None if cut is None else cut >= OFFLOAD_ALONE_PEAK_CUT,
                   f"{cut:.1%} lower" if cut is not None else "not measured")
     slow = _ratio(off_ms, base_ms)
-    report.target(f"offload alone: step <= {OFFLOAD_SLOWDOWN:.0%} longer",
+    report.target(f"offload alone (hidden copies only): step <= {OFFLOAD_SLOWDOWN:.0%} longer",
                   None if slow is None else slow <= 1 + OFFLOAD_SLOWDOWN,
                   f"{slow - 1:+.1%}" if slow else "a row did not run")
 

@@ -220,8 +220,10 @@ def min_cut_settings(*, relaxed: bool, offload: bool, offload_stream: bool) -> I
     ``relaxed`` turns off the min-cut's recompute heuristics (allowlist, reductions, fusible
     chains, distance), leaving bans to ``recompute`` tags; ``offload`` turns on torch's
     activation offloading of nodes tagged ``should_offload``, and ``offload_stream`` its
-    separate-stream mode (CUDA only) with the sink-wait and reload-prefetch options where this
-    torch has them (2.12+; 2.11 has the separate stream only).
+    separate-stream mode (CUDA only) with its sink-wait and reload-prefetch options (every
+    supported version has the three; 2.11 builds them from ``streams::`` fork/join/event ops
+    around ``device_put``, 2.13 from ``ao::offload``/``ao::reload``/``ao::wait_tensor``; 2.12,
+    2.14 and 2.15 were not inspected).
     """
     from torch._functorch import config as functorch_config
 
@@ -476,11 +478,51 @@ def is_non_overlapping_and_dense(val: torch.Tensor) -> bool:
 
 
 def offloaded_source(node: fx.Node) -> fx.Node | None:
-    """The tensor a node of torch's activation offloading (``cpu_offload_<name>``, a
-    ``prims.device_put`` to the host) moves to the host, or None for any other node."""
-    if node.target is torch.ops.prims.device_put.default and node.name.startswith("cpu_offload_"):
+    """The tensor a node of torch's activation offloading moves to the host, or None for any
+    other node. The node is ``cpu_offload_<name>``: a ``prims.device_put`` to the host (torch
+    2.11, and every version without the separate stream), or on 2.13's separate stream the
+    ``ao.wait_tensor`` of an ``ao.offload``."""
+    if not node.name.startswith("cpu_offload_") or node.op != "call_function":
+        return None
+    if node.target is torch.ops.prims.device_put.default:
         return node.args[0]
+    issue = offload_issue(node)
+    return issue.args[0] if issue is not node else None
+
+
+def offload_issue(node: fx.Node) -> fx.Node:
+    """Where the copy of an offloaded tensor (``offloaded_source(node)`` is not None) starts:
+    ``node`` itself (a ``device_put``), or the ``ao.offload`` its ``ao.wait_tensor`` waits for."""
+    if _target_name(node) == "ao.wait_tensor.default" and isinstance(node.args[0], fx.Node) \
+            and _target_name(node.args[0]) == "ao.offload.default":
+        return node.args[0]
+    return node
+
+
+def reload_of(offloaded: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """For a backward input that torch's offloading reloads (a ``cpu_offload_<name>``
+    placeholder): the node that starts the copy back (a ``device_put``, or 2.13's
+    ``ao.reload``) and the node whose value the backward reads (the ``device_put`` itself, or
+    the ``ao.wait_tensor`` of the ``ao.reload``); None for any other node."""
+    for user in offloaded.users:
+        if user.target is torch.ops.prims.device_put.default:
+            return user, user
+        if _target_name(user) == "ao.reload.default":
+            wait = next((u for u in user.users if _target_name(u) == "ao.wait_tensor.default"), user)
+            return user, wait
     return None
+
+
+def is_offload_machinery(node: fx.Node) -> bool:
+    """A node of torch's activation offloading that computes nothing on the device: a copy, a
+    wait, or a stream/event op of its separate-stream mode."""
+    name = _target_name(node)
+    return (node.target is torch.ops.prims.device_put.default
+            or name.startswith(("streams.", "ao.offload", "ao.reload", "ao.wait_tensor")))
+
+
+def _target_name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_function" else ""
 
 
 # -- torch.compile's pieces ------------------------------------------------------------------------

@@ -155,6 +155,11 @@ class Config:
     offload_min_bytes: int = 1 << 20
     """Saved tensors smaller than this are never offloaded."""
 
+    offload_hidden_only: bool = False
+    """With ``offload``: offload only the saved tensors whose copies an H100's roofline hides
+    under compute on torch's separate stream, largest and longest-lived first; the others stay
+    on the device, ``offload: no (copy not hidden: ...)`` (docs/memory.md#offload_hidden_only)."""
+
     offload_exclude: tuple[str, ...] = ()
     """Module-path or op patterns (``"layers.0.*"``, ``"aten.mm"``) never offloaded (opt-out)."""
 
@@ -239,6 +244,7 @@ class Config:
             raise ValueError(f"invalid graphpass option recompute_budget={self.recompute_budget!r}; "
                              "expected a fraction of step FLOPs such as 0.01, or None for no limit")
         _type("offload", self.offload, bool)
+        _type("offload_hidden_only", self.offload_hidden_only, bool)
         budget = self.memory_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or (isinstance(budget, int) and budget <= 0)
@@ -325,6 +331,7 @@ def _combinations(config: Config) -> None:
         # (option set to a non-default value, is it in effect, what it needs)
         ("offload_stream", config.offload_stream is None or config.offload, "offload=True"),
         ("offload_min_bytes", config.offload, "offload=True"),
+        ("offload_hidden_only", config.offload, "offload=True"),
         ("offload_exclude", config.offload, "offload=True"),
         ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),

@@ -53,6 +53,8 @@ class What(enum.Enum):
     OFFLOAD_ELIGIBLE = "offload: eligible"
     NOT_OFFLOADED = "offload: no ({why})"
     OFFLOADED = "offloaded to CPU, reloaded for the backward"
+    OFFLOAD_COPY = "offload copy: {module}: {why}"
+    OFFLOAD_NOT_HIDDEN = "offload copy not hidden: {module}: {why}"
     # the memory budget
     BUDGETED = "memory_budget: {why}"
     # what the report observed in the partitioned graphs
@@ -159,10 +161,11 @@ class Plan:
     it saves and the forward nodes it recomputes in the backward (set by the pipeline; the FP8
     activation cache caches what the exact plan saves)."""
 
-    predict_peak: Callable[[fx.GraphModule], tuple[dict[str, Any], dict[str, fx.Node]]] | None = None
+    predict_peak: Callable[[fx.GraphModule], tuple[dict[str, Any], dict[str, fx.Node], Any]] | None = None
     """The predicted step peak (``report.peak``) of torch's min-cut of a copy of the joint graph
-    as tagged so far, and the joint nodes it saves by name (set by the pipeline; the memory
-    budget plans against it)."""
+    as tagged so far, the joint nodes it saves by name, and the compute their copies to the host
+    could hide under (``graph.offload_copies.Windows``) (set by the pipeline; the memory budget
+    and the offload pass plan against it)."""
     budget_offloads: bool = False
     """Whether the memory budget marked nodes for offload (torch's offloading is then on)."""
 

@@ -19,6 +19,7 @@ from . import _compat
 from .config import Config
 from .decisions import Decision, Plan, What
 from .graph.nodes import module_path, op_name
+from .graph.offload_copies import Windows, partition_windows
 from .graph.peak import step_peak
 from .passes.tags import random_recomputes, tag
 from .report import Report
@@ -104,10 +105,11 @@ def exact_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan:
 
 
 def partition_peak(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan,
-                   config: Config, **partitioner_args: Any) -> tuple[dict[str, Any], dict[str, fx.Node]]:
+                   config: Config, **partitioner_args: Any
+                   ) -> tuple[dict[str, Any], dict[str, fx.Node], Windows]:
     """torch's min-cut of a copy of ``joint`` as tagged so far: the step's predicted peak
-    (``graph/peak.py``) and the joint nodes it saves, by the name the forward gives them
-    (``Plan.predict_peak``)."""
+    (``graph/peak.py``), the joint nodes it saves, by the name the forward gives them, and the
+    compute each saved tensor's copies to the host could hide under (``Plan.predict_peak``)."""
     fw, bw = _partition_marked(joint, joint_inputs, plan=plan, config=config, **partitioner_args)
     num_fwd_outputs = partitioner_args["num_fwd_outputs"]
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
@@ -115,7 +117,7 @@ def partition_peak(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: 
              if isinstance(n, fx.Node) and _JOINT_NODE in n.meta}
     peak = step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs,
                      parameter_names={p.name for p in plan.parameters}, runtime=config.codegen)
-    return peak, saved
+    return peak, saved, partition_windows(fw, bw)
 
 
 def _copy(joint: fx.GraphModule) -> fx.GraphModule:

@@ -18,7 +18,7 @@ from .passes.fp8_all_gather import fp8_all_gather
 from .passes.fp8_cache import fp8_cache
 from .passes.lower_fp8 import lower_fp8
 from .passes.memory_budget import memory_budget
-from .passes.offload import offload
+from .passes.offload import offload, offload_hidden
 from .passes.plan_memory import plan_memory
 from .passes.recompute import recompute
 from .passes.regather import regather
@@ -36,6 +36,9 @@ PASSES: tuple[Callable[[fx.GraphModule, Plan, Config], None], ...] = (
     regather,
     # lossy and opt-in: after the exact passes, FP8 copies of what their plan still saves
     fp8_cache,
+    # with offload_hidden_only: of the offloads, keep those whose copies hide under the compute
+    # of the plan above
+    offload_hidden,
     # exact: recompute or offload what the plan above still saves until its peak fits
     memory_budget)
 

@@ -20,6 +20,7 @@ from .fp8.inductor import INLINED_RECIPES, fusion_notes
 from .graph.collectives import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
+from .graph.offload_copies import copy_notes, offload_copies
 from .graph.outcome import outcome_notes
 from .graph.peak import step_peak
 from .graph.saved import saved_rows
@@ -69,6 +70,7 @@ class ReportBuilder:
               for op, why in self.estimated.items()),
             *self._fusion_notes(),
             *outcome,
+            *copy_notes(offload_copies(fw, bw), synchronous=self.config.offload_stream is False),
             *collective_notes(fw, bw),  # a tensor/sequence-parallel rank's communication
             *(fp8_distributed_notes(fw, bw, fsdp=fsdp) if lowered else []),
             *(Decision(What.SIZES_ASSUMED, "sizes", why) for why in _compat.assumed_sizes_why(assumed)),

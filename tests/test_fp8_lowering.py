@@ -721,3 +721,21 @@ def test_a_small_projection_whose_input_is_quantized_anyway_is_lowered():
     report = graphpass.plan(QK(), h, config=graphpass.Config(fp8="tensorwise"))
     assert sorted(_lowering(report.notes)) == ["lowered: k (reference/tensorwise)",
                                                "lowered: q (reference/tensorwise)"]
+
+
+def test_one_device_description_times_fp8_and_the_memory_budget():
+    """The FP8 cost model and the memory budget time their choices on one device description
+    (graph/roofline.py): the same object, with each dtype's peak, the HBM bandwidth and the host
+    link (by hand: a 4096^3 GEMM is 137.4 GFLOP)."""
+    from graphpass.fp8 import cost
+    from graphpass.graph import roofline
+    from graphpass.passes import memory_budget
+
+    assert cost.H100 is memory_budget.H100 is roofline.H100
+    assert cost.linear_estimate(4096, 512, 4096).gpu is roofline.H100
+    h100, flops = roofline.H100, 2 * 4096**3
+    assert h100.compute(flops, 0, torch.bfloat16) * 1e6 == pytest.approx(138.97, abs=0.01)
+    assert h100.compute(flops, 0, torch.float8_e4m3fn) * 1e6 == pytest.approx(69.45, abs=0.01)
+    assert h100.compute(flops, 0, torch.float32) * 1e3 == pytest.approx(2.051, abs=0.001)
+    assert h100.compute(0, 3.35e9) == pytest.approx(1e-3)  # 3.35 GB of HBM traffic: bytes-bound
+    assert h100.copy(50e9) == pytest.approx(1.0)

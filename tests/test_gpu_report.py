@@ -42,12 +42,18 @@ def test_dry_run_writes_every_section(tmp_path):
                   "graphpass FP8 tensorwise/reference, default",
                   "graphpass FP8 tensorwise/reference, opaque quantize",
                   "graphpass FP8 tensorwise/reference, precise accumulation",
-                  "graphpass FP8 blockwise (kernels=auto)", "without offload", "offload + stream"):
+                  "graphpass FP8 blockwise (kernels=auto)", "without offload", "offload + stream",
+                  "offload + stream, hidden copies only"):
         cells = [c.strip() for c in rows[label].strip("|").split("|")]
         assert re.fullmatch(r"\d+\.\d\d", cells[1]), rows[label]
         assert "failed" not in rows[label], rows[label]
         assert re.search(r"\d+(\.\d+)? [KM]iB", rows[label]), rows[label]
-    # The offloaded plan keeps fewer bytes on the device than the plain one.
+    # The offload rows say what the plan offloads and how many copies hide (H100 roofline): all
+    # of them with offload_hidden_only
+    assert re.search(r"planned: \d+ offloaded \([^)]*\), copies of \d+ hidden, \d+ not",
+                     rows["offload + stream"]), rows["offload + stream"]
+    assert re.search(r"planned: [1-9]\d* offloaded \([^)]*\), copies of [1-9]\d* hidden, 0 not",
+                     rows["offload + stream, hidden copies only"])
     assert "memory not measured on CPU" in text
     targets = text.split("## Targets", 1)[1]
     llama = "Llama-3-8B layer, seq 8192"
@@ -58,12 +64,14 @@ def test_dry_run_writes_every_section(tmp_path):
                  "Inductor's (peak not measured on CPU)",
                  f"{llama}: step peak of graphpass FP8 blockwise (kernels=auto) <= bf16"):
         assert line in targets, (line, targets)
-    assert "offload: activation peak >= 30% lower" in targets
+    assert "offload (hidden copies only): activation peak >= 30% lower" in targets
+    assert "offload alone (hidden copies only): step <= 5% longer" in targets
     assert "PASS" not in targets and "FAIL" not in targets  # a dry run judges nothing
     # The step peak: predicted and MemTracker-measured agree on every row, the budget's included.
     peak = text.split("## Step peak: predicted vs MemTracker", 1)[1].split("## Targets", 1)[0]
     peak_rows = [r for r in peak.splitlines() if r.startswith("| ") and "---" not in r][1:]
-    assert len(peak_rows) == 4 and "memory_budget 95% of its peak" in peak_rows[-1], peak_rows
+    assert len(peak_rows) == 5 and "memory_budget 95% of its peak" in peak_rows[-1], peak_rows
+    assert "offload + stream, hidden copies only" in peak_rows[-2], peak_rows
     assert all(" | 1.000 | " in r for r in peak_rows), peak_rows
     assert "would pass; CPU numbers, not judged): memory_budget 95%: the measured peak fits" in targets
 

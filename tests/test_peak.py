@@ -70,6 +70,7 @@ POLICIES = {
     "mlp": {"recompute": ("mlp",)},
     "full": {"recompute": ("full",)},
     "offload": {"offload": True, "offload_min_bytes": 0},
+    "offload_hidden": {"offload": True, "offload_min_bytes": 0, "offload_hidden_only": True},
 }
 
 

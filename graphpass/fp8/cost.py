@@ -21,25 +21,16 @@ GEMMs whose bf16 estimate is under ``MIN_JUDGED_S`` are not judged: at that size
 (a few microseconds each) dominate, which a roofline does not model, and the FP8 GEMM the user
 asked for is kept. The numbers are an H100 SXM's dense peaks (NVIDIA's datasheet: 989 TFLOP/s
 bf16, 1,979 TFLOP/s FP8, 3.35 TB/s HBM3); they are used for every device, a CPU graph included
-(``graphpass.plan`` on a machine without a GPU plans for an H100).
+(``graphpass.plan`` on a machine without a GPU plans for an H100). The device is
+``graph/roofline.py``'s, the one the memory budget times its choices with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..graph.roofline import H100, Device
 
-@dataclass(frozen=True)
-class Roofline:
-    """A GPU's dense peaks: FLOP/s in bf16 and FP8, HBM bytes/s."""
-
-    name: str
-    bf16_flops: float
-    fp8_flops: float
-    bandwidth: float
-
-
-H100 = Roofline("H100", bf16_flops=989e12, fp8_flops=1979e12, bandwidth=3.35e12)
 MIN_JUDGED_S = 20e-6
 
 
@@ -50,7 +41,7 @@ class Estimate:
     bf16: float
     fp8_gemms: float
     quantizes: float
-    gpu: Roofline = H100
+    gpu: Device = H100
 
     @property
     def fp8(self) -> float:
@@ -67,7 +58,7 @@ class Estimate:
 
 
 def linear_estimate(m: int, n: int, k: int, *, input_sharers: int = 1,
-                    input_quantized: bool = False, gpu: Roofline = H100) -> Estimate:
+                    input_quantized: bool = False, gpu: Device = H100) -> Estimate:
     """The roofline estimate of a linear's forward, dgrad and wgrad GEMMs (module docstring)."""
     flops = 2 * m * n * k
     # (operand a, operand b, output) elements of fprop, dgrad and wgrad

@@ -9,12 +9,17 @@ applied before this pass, whose savings the budget then counts.
 The plan is greedy against the predicted peak (``graph/peak.py``) of torch's min-cut: while the
 peak is over budget, of the saved tensors live at the peak, take the choice (recompute its
 producer, or offload it) that costs the least added time per byte, re-partition, and keep it if
-the peak fell. Time is a roofline (:class:`Roofline`): a recompute costs its FLOPs at the GEMM
-rate or its bytes at the memory bandwidth, whichever is slower; an offload costs its copy out and
-back over the host link, nothing while the copies fit under the step's compute on a separate
-stream (CUDA, ``offload_stream``). The numbers are an H100's unless given: graphpass measures
-nothing. On a CPU device an offload frees nothing (the host is the device), so only recomputes
-are weighed there.
+the peak fell. Time is a roofline of the device the FP8 cost model uses too
+(``graph/roofline.py``, an H100: graphpass measures nothing): a recompute costs its FLOPs at the
+GEMM rate or its bytes at the memory bandwidth, whichever is slower; an offload costs its copy out
+and back over the host link, nothing where torch's separate stream (CUDA, ``offload_stream``)
+hides both copies: the copy out under the forward's compute after the tensor's last forward use,
+the copy back under the backward's compute before its first backward use, the link taking one
+copy at a time each way (``graph/offload_copies.py``). Of choices that cost the same per byte
+(every hidden offload: nothing), the largest is taken first, then the longest-lived. Each chosen
+offload's decision gives its bytes, its copy time and the compute it hides under, or what it
+adds. On a CPU device an offload frees nothing (the host is the device), so only recomputes are
+weighed there.
 
 Before the greedy search, the smallest peak the budget can reach is computed once (everything
 recomputable recomputed, everything eligible offloaded); a budget below it raises one ValueError
@@ -24,7 +29,6 @@ that lowers the peak alone may not), that all-in plan is used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,10 +39,11 @@ from .. import _compat
 from .._compat import size_hint
 from ..config import Config
 from ..decisions import Decision, Plan, What
-from ..fp8 import cost
-from ..graph.flops import node_flops, step_flops
+from ..graph.flops import node_flops
+from ..graph.offload_copies import Windows, format_seconds
 from ..graph.nodes import is_random, module_path, op_name, producer
 from ..graph.regions import forward_calls
+from ..graph.roofline import H100
 from ..report import format_bytes
 from .offload import why_not_offloaded
 from .tags import user_policy
@@ -51,27 +56,6 @@ H100_MEMORY = 80 * 2**30
 """The device memory a fractional budget is a share of when no CUDA device is present."""
 
 
-@dataclass(frozen=True)
-class Roofline:
-    """A device's rates, for the time a choice adds (H100 SXM by default)."""
-
-    flops: float = cost.H100.bf16_flops
-    """Dense bf16 tensor-core FLOP/s (FP8: twice that); the FP8 cost model's H100 numbers."""
-    fp32_flops: float = 67e12
-    """FP32 FLOP/s without TF32 (torch's default for fp32 matmuls)."""
-    memory_bandwidth: float = cost.H100.bandwidth
-    """HBM3 bytes/s."""
-    host_link: float = 50e9
-    """Host-device copy bytes/s each way (PCIe Gen5 x16, ~64 GB/s peak)."""
-
-    def compute(self, flops: float, nbytes: float, dtype: torch.dtype | None = None) -> float:
-        rate = (self.fp32_flops if dtype in (torch.float32, torch.float64)
-                else 2 * self.flops if dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-                else self.flops)
-        return max(flops / rate, nbytes / self.memory_bandwidth)
-
-
-H100 = Roofline()
 
 
 def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
@@ -79,7 +63,7 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         return
     assert plan.predict_peak is not None
     budget, of_what = budget_bytes(config.memory_budget, plan)
-    peak, saved = plan.predict_peak(joint)
+    peak, saved, windows = plan.predict_peak(joint)
     if peak["bytes"] <= budget:
         plan.decide(Decision(What.BUDGETED, "memory_budget", (
             f"the predicted peak {format_bytes(peak['bytes'])} fits {format_bytes(budget)}"
@@ -88,7 +72,6 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     unbudgeted = peak["bytes"]
     on_device = peak["device"] != "cpu"
     overlap = on_device and config.offload_stream is not False
-    step_time = H100.compute(step_flops(joint), 0)
 
     saved_tags = {n: n.meta.get("recompute") for n in joint.graph.nodes}
     recomputable = [n for n in forward_calls(joint) if _recomputable(n)]
@@ -98,7 +81,7 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
 
     chosen: list[Decision] = []
     tried: set[tuple[str, str]] = set()
-    offload_time = 0.0
+    offloaded: list[tuple[str, int]] = []  # the offloads chosen so far: saved name, bytes
     while peak["bytes"] > budget:
         options = []
         kept = set(saved.values()) | set(plan.primals)
@@ -114,15 +97,17 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 # saved in its place may not: tried after
                 needs_more = any(i not in kept for i in source.all_input_nodes)
                 options.append((needs_more, seconds / live["bytes"], "recompute", source,
-                                live["bytes"]))
+                                live["bytes"], live["name"]))
             if (node.name, "offload") not in tried and node in offloadable:
-                copy = 2 * live["bytes"] / H100.host_link
-                hidden = overlap and offload_time + copy <= step_time
-                options.append((False, (0.0 if hidden else copy) / live["bytes"], "offload", node,
-                                live["bytes"]))
+                adds = (windows.late([*offloaded, (live["name"], live["bytes"])])
+                        - windows.late(offloaded)) if overlap else 2 * H100.copy(live["bytes"])
+                options.append((False, max(adds, 0.0) / live["bytes"], "offload", node,
+                                live["bytes"], live["name"]))
         if not options:
             break
-        options.sort(key=lambda o: (o[0], o[1], -o[4], o[3].name))
+        # the cheapest per byte; of equal cost (hidden offloads cost nothing) the largest, then
+        # the longest-lived (the most compute to hide its copies under)
+        options.sort(key=lambda o: (o[0], o[1], -o[4], -_lifetime(o[5], windows), o[3].name))
         options = [o[1:] for o in options]
         batch, covered = [], 0
         for option in options:
@@ -135,8 +120,8 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         # the cheapest choices that cover the excess, tried together, then without the last
         # one and so on; a single choice that does not lower the peak is not tried again
         for size in (batch[:n] for n in range(len(batch), 0, -1)):
-            undo = [_choose(action, node, plan) for _, action, node, _ in size]
-            new_peak, new_saved = plan.predict_peak(joint)
+            undo = [_choose(action, node, plan) for _, action, node, _, _ in size]
+            new_peak, new_saved, new_windows = plan.predict_peak(joint)
             smallest = min(smallest, new_peak, key=lambda p: p["bytes"])
             if new_peak["bytes"] < peak["bytes"]:
                 break
@@ -145,20 +130,27 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         if new_peak["bytes"] >= peak["bytes"]:
             tried.add((size[0][2].name, size[0][1]))
             continue
-        tried.update((node.name, action) for _, action, node, _ in size)
-        for _, action, node, nbytes in size:
+        tried.update((node.name, action) for _, action, node, _, _ in size)
+        for _, action, node, nbytes, name in size:
+            what = f"{action} {node.name} ({op_name(node)}, {format_bytes(nbytes)}"
             if action == "offload":
-                offload_time += 2 * nbytes / H100.host_link
+                copy = H100.copy(nbytes)
+                adds = (windows.late([*offloaded, (name, nbytes)]) - windows.late(offloaded)
+                        if overlap else 2 * copy)
+                offloaded.append((name, nbytes))
+                what += (f", {format_seconds(copy)} each way under "
+                         f"{format_seconds(windows.out.get(name, 0.0))} of forward and "
+                         f"{format_seconds(windows.back.get(name, 0.0))} of backward compute: "
+                         + ("hidden" if adds <= 0 else f"not hidden, adds {format_seconds(adds)}"))
             chosen.append(Decision(What.BUDGETED, "memory_budget", (
-                f"{action} {node.name} ({op_name(node)}, {format_bytes(nbytes)}; "
-                f"step peak {format_bytes(peak['bytes'])} -> {format_bytes(new_peak['bytes'])})"),
-                module_path(node), node.name))
-        peak, saved = new_peak, new_saved
+                f"{what}; step peak {format_bytes(peak['bytes'])} -> "
+                f"{format_bytes(new_peak['bytes'])})"), module_path(node), node.name))
+        peak, saved, windows = new_peak, new_saved, new_windows
 
     if peak["bytes"] > budget:  # the greedy search stalled: everything at once, if it fits
         _restore(joint, saved_tags, offloadable, plan)
         _apply_all(recomputable, offloadable, plan)
-        everything, _ = plan.predict_peak(joint)
+        everything, _, _ = plan.predict_peak(joint)
         smallest = min(smallest, everything, key=lambda p: p["bytes"])
         if everything["bytes"] > budget:
             _restore(joint, saved_tags, offloadable, plan)
@@ -172,6 +164,12 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     plan.decide(Decision(What.BUDGETED, "memory_budget", (
         f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(peak['bytes'])} within "
         f"{format_bytes(budget)}{of_what}; {len(chosen)} choice(s), roofline of an H100")))
+
+
+def _lifetime(name: str, windows: Windows) -> float:
+    """The compute a saved tensor outlives: after its last forward use and before its first
+    backward one."""
+    return windows.out.get(name, 0.0) + windows.back.get(name, 0.0)
 
 
 def _unmet(value: int | float, budget: int, of_what: str, smallest: dict[str, Any]) -> str:

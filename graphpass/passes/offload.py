@@ -4,6 +4,12 @@ The policy is opt-out, as Transformer Engine's review settled on: activations ar
 default; parameters, quantized weights, FP8 scales and small tensors never are; users opt out by
 module path or op. torch's offloader (``enable_activation_offloading``) additionally offloads only
 base tensors (no views, no results of multi-output ops, contiguous), so those say so too.
+
+With ``offload_hidden_only`` the eligible tensors the min-cut saves are offloaded only where their
+copies hide under compute (``graph/offload_copies.py``: the copy out under the forward after the
+tensor's last use, the copy back under the backward before its first, one copy at a time each
+way, on an H100's roofline), taken largest first, then longest-lived; the rest stay on the device
+and say how long their copies take against the compute they would have had.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from .._compat import size_hint
 from ..config import Config
 from ..decisions import Decision, Plan, What, facts, record
 from ..graph.nodes import is_backward, module_path, op_name
+from ..graph.offload_copies import format_seconds
+from ..graph.roofline import H100
 from ..graph.ops import VIEWS
 from ..report import format_bytes
 
@@ -40,6 +48,41 @@ def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         record(node, offload=Decision(what, "offload", reason or "", node=node.name))
         if config.offload and not reason:
             _compat.mark_for_offload(node)
+
+
+def offload_hidden(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+    """With ``offload_hidden_only``: keep the offload marks of the saved tensors whose copies
+    hide, largest and longest-lived first (runs after the passes that decide what is saved)."""
+    if not (config.offload and config.offload_hidden_only):
+        return
+    assert plan.predict_peak is not None
+    _, _, windows = plan.predict_peak(joint)  # torch's min-cut with every eligible tensor marked
+    by_name = {n.name: n for n in joint.graph.nodes}
+    saved = [by_name[name] for name in windows.out if name in by_name
+             and by_name[name].meta.get("should_offload")]
+    saved.sort(key=lambda n: (-_bytes(n), -(windows.out[n.name] + windows.back[n.name]), n.name))
+    chosen: list[tuple[str, int]] = []
+    stream = config.offload_stream is not False
+    for node in saved:
+        nbytes = _bytes(node)
+        if stream and windows.late([*chosen, (node.name, nbytes)]) <= 0:
+            chosen.append((node.name, nbytes))
+            continue
+        node.meta.pop("should_offload")
+        copy = H100.copy(nbytes)
+        busy = (": it would hide alone, but the link is busy with larger copies"
+                if stream and windows.late([(node.name, nbytes)]) <= 0 else "")
+        why = (f"copy not hidden: {format_seconds(copy)} each way, "
+               + (f"under {format_seconds(windows.out[node.name])} of forward compute after its "
+                  f"last use and {format_seconds(windows.back[node.name])} of backward compute "
+                  f"before its first{busy}"
+                  if stream else "offload_stream=False copies on the default stream"))
+        record(node, offload=Decision(What.NOT_OFFLOADED, "offload", why, node=node.name))
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta["val"]
+    return size_hint(val.numel(), where=f"offload's size of {node.name}") * val.element_size()
 
 
 def why_not_offloaded(node: fx.Node, config: Config, *, is_parameter: bool) -> str | None:

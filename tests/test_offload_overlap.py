@@ -1,0 +1,246 @@
+"""Where torch's separate-stream offloading puts its copies and waits, on every version graphpass
+supports, read from partitioned graphs of fake CUDA tensors (no GPU needed to partition), and
+what graphpass makes of them: the offloaded tensors, their copy windows and the step's peak.
+
+torch 2.11 builds the separate stream from ``streams::`` fork/join/event ops around
+``prims.device_put``; 2.13 from ``ao::offload``/``ao::reload``/``ao::wait_tensor``. Both issue a
+tensor's copy out right after its last forward use, sink the waits to the forward's end, and
+prefetch each reload in the backward ahead of its first use by as much compute as its copy takes
+(timed here by the H100 roofline in place of torch's benchmark of each node on the GPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_function
+
+from graphpass import _compat
+from graphpass.graph.offload_copies import compute_seconds, offload_copies
+from graphpass.graph.peak import step_peak
+
+offloading = pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+
+N, LAYERS = 1024, 4
+BYTES = N * N * 4  # one fp32 activation
+
+
+def _layers(x, *ws):
+    for w in ws:
+        x = torch.relu(x @ w)
+    return x.sum()
+
+
+def _cuda_partition(monkeypatch, *, stream: bool) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward torch's min-cut makes of ``_layers`` with every relu output
+    offloaded, its tensors on CUDA (the joint graph is traced on the CPU, then its metadata moved
+    to CUDA: offloading reads devices from it)."""
+    # what needs a GPU at partition time: 2.11's stream and event handles, and the timing of
+    # each backward node for the prefetch (the roofline here)
+    counter = itertools.count(100)
+    for name in ("get_current_stream", "new_stream", "new_event"):
+        if hasattr(offloading, name):
+            monkeypatch.setattr(offloading, name, lambda *a, **k: next(counter))
+    monkeypatch.setattr(offloading, "benchmark_node", lambda n: compute_seconds(n) * 1e3)
+    graphs = {}
+
+    def partition(joint, inputs, **kwargs):
+        mode = next(n.meta["val"].fake_mode for n in joint.graph.nodes
+                    if isinstance(n.meta.get("val"), torch.Tensor))
+        with mode:
+            for n in joint.graph.nodes:
+                v = n.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
+                                                        device="cuda")
+                if n.op == "call_function" and n.target is torch.ops.aten.relu.default:
+                    _compat.mark_for_offload(n)
+        with _compat.min_cut_settings(relaxed=False, offload=True, offload_stream=stream):
+            graphs["fw"], graphs["bw"] = _compat.min_cut_partition(
+                joint, inputs, num_fwd_outputs=kwargs["num_fwd_outputs"],
+                static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+                compiler="eager")
+        raise _Partitioned
+
+    args = [torch.randn(N, N, requires_grad=True) for _ in range(LAYERS + 1)]
+    with pytest.raises(_Partitioned):  # the graphs run on CUDA only: stop once partitioned
+        aot_function(_layers, fw_compiler=lambda gm, _: gm, partition_fn=partition)(*args)
+    return graphs["fw"], graphs["bw"]
+
+
+class _Partitioned(Exception):
+    pass
+
+
+def _name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_function" else ""
+
+
+def _offload_waits(fw: fx.GraphModule) -> list[fx.Node]:
+    """The forward's waits for its copies out: 2.13's ``ao.wait_tensor`` of an ``ao.offload``;
+    on 2.11 the compute stream's ``wait_event`` of the event recorded after each ``device_put``."""
+    nodes = list(fw.graph.nodes)
+    waits = [n for n in nodes if _name(n) == "ao.wait_tensor.default"]
+    for i, node in enumerate(nodes):
+        if _compat.offloaded_source(node) is not None and _name(node).startswith("prims."):
+            after = nodes[i + 1] if i + 1 < len(nodes) else None
+            if after is not None and _name(after) == "streams.record_event.default":
+                waits += [n for n in nodes if _name(n) == "streams.wait_event.default"
+                          and n.args[0] == after.args[0]]
+    return waits
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["separate stream", "default stream"])
+def test_copies_out_start_after_the_last_use_and_waits_sink_to_the_forwards_end(monkeypatch, stream):
+    fw, bw = _cuda_partition(monkeypatch, stream=stream)
+    nodes = list(fw.graph.nodes)
+    offloaded = {n: _compat.offloaded_source(n) for n in nodes if _compat.offloaded_source(n)}
+    # every relu output but the last (which the loss reads, and the backward only as a mask)
+    assert sorted(s.name for s in offloaded.values()) == ["relu", "relu_1", "relu_2"]
+    computes = [i for i, n in enumerate(nodes) if compute_seconds(n) > 0]
+    for wait, source in offloaded.items():
+        issue = nodes.index(_compat.offload_issue(wait))
+        last_use = max(nodes.index(u) for u in source.users if u is not wait
+                       and nodes.index(u) < issue)
+        # issued right after its last forward use: no compute in between
+        assert not [i for i in computes if last_use < i < issue]
+    waits = _offload_waits(fw)
+    if stream:  # waited for at the forward's end: after all of its compute
+        assert len(waits) == len(offloaded) and min(nodes.index(w) for w in waits) > max(computes)
+    else:  # a synchronous device_put: the copy and the wait are one node
+        assert waits == []
+    # the backward reads each tensor back through torch's reload
+    for wait in offloaded:
+        placeholder = next(n for n in bw.graph.find_nodes(op="placeholder") if n.name == wait.name)
+        assert _compat.reload_of(placeholder) is not None
+
+
+def test_reloads_are_prefetched_by_the_compute_their_copy_takes(monkeypatch):
+    """torch's prefetch, with each node timed by the H100 roofline and each copy at its default
+    50 GiB/s: every reload starts early enough that the backward's compute between its start and
+    the tensor's first use covers the copy, or at the backward's start; in the order they are
+    used."""
+    _, bw = _cuda_partition(monkeypatch, stream=True)
+    nodes = list(bw.graph.nodes)
+    copy_s = BYTES / (50 * 2**30)
+    first_compute = min(i for i, n in enumerate(nodes) if compute_seconds(n) > 0)
+    starts, uses = [], []
+    for placeholder in bw.graph.find_nodes(op="placeholder"):
+        reload = _compat.reload_of(placeholder)
+        if reload is None:
+            continue
+        start = nodes.index(reload[0])
+        use = min(nodes.index(u) for u in reload[1].users if not _compat.is_offload_machinery(u))
+        hidden_under = sum(compute_seconds(n) for n in nodes[start:use])
+        assert hidden_under >= copy_s or start < first_compute, (reload[0].name, hidden_under)
+        assert start < use
+        starts.append(start)
+        uses.append(use)
+    assert len(starts) == 3 and sorted(starts) == [s for _, s in sorted(zip(uses, starts))]
+    # prefetched: at least one reload starts before compute that does not read it
+    assert any(any(compute_seconds(n) > 0 for n in nodes[s:u]) for s, u in zip(starts, uses))
+
+
+def test_the_peak_walk_counts_a_prefetched_reload_from_its_start(monkeypatch):
+    """A reload moved ahead of its use is live from where it starts: the predicted backward peak
+    with torch's prefetch is the walk over the graph as ordered, above the same graph with each
+    reload moved back to just before its first use."""
+    fw, bw = _cuda_partition(monkeypatch, stream=True)
+    kwargs = dict(num_fwd_outputs=1, parameter_names=set())
+    prefetched = step_peak(fw, bw, **kwargs)
+    nodes = list(bw.graph.nodes)
+    for placeholder in bw.graph.find_nodes(op="placeholder"):
+        reload = _compat.reload_of(placeholder)
+        if reload is not None:
+            use = min((u for u in reload[1].users if not _compat.is_offload_machinery(u)),
+                      key=nodes.index)
+            use.prepend(reload[0])
+    at_use = step_peak(fw, bw, **kwargs)
+    assert prefetched["device"] == "cuda" and prefetched["phase"] == "backward"
+    assert prefetched["backward_peak"] > at_use["backward_peak"]
+    assert prefetched["backward_peak"] - at_use["backward_peak"] >= BYTES
+
+
+def test_offload_copies_of_the_partitioned_graphs(monkeypatch):
+    """graphpass reads each offloaded tensor's copies from torch's graphs on every version: the
+    bytes, one copy's time at the roofline's host link (H100: 50 GB/s), and the compute in its
+    windows (the forward after the issue, the backward before the first use)."""
+    fw, bw = _cuda_partition(monkeypatch, stream=True)
+    copies = offload_copies(fw, bw)
+    assert [c.name for c in copies] == ["relu", "relu_1", "relu_2"]
+    assert all(c.bytes == BYTES and c.seconds == pytest.approx(BYTES / 50e9) for c in copies)
+    # the earlier a tensor's last forward use, the more forward compute its copy out has, and the
+    # later its first backward use
+    assert copies[0].out_window > copies[1].out_window > copies[2].out_window > 0
+    assert copies[0].back_window > copies[1].back_window > copies[2].back_window
+    # the last layer's output is read by the backward's first GEMMs: its copy back cannot hide
+    assert copies[2].back_late > 0 and not copies[2].hidden
+
+
+def test_copy_schedule_by_hand():
+    """Two 50 MB copies (1 ms each way on the H100's 50 GB/s link) in a 3 ms forward and a 3 ms
+    backward: ``a`` last used 2.5 ms before the forward's end and first used 2.5 ms into the
+    backward, ``b`` 1.5 ms and 1.5 ms. Out, one at a time: a 0.5-1.5, b 1.5-2.5: hidden. Back,
+    as late as each use allows: b 0.5-1.5, a 1.5-2.5: hidden. A third copy ``c`` used
+    0.5 ms before the end and 0.5 ms into the backward runs out 2.5-3.5 (0.5 ms late) and would
+    have to start back at -0.5 ms: it adds 1 ms, and only it is late."""
+    from graphpass.graph.offload_copies import Windows
+
+    w = Windows(forward=3e-3, backward=3e-3, out={"a": 2.5e-3, "b": 1.5e-3, "c": 0.5e-3},
+                back={"a": 2.5e-3, "b": 1.5e-3, "c": 0.5e-3})
+    mb50 = 50_000_000
+    assert w.late([("a", mb50), ("b", mb50)]) == 0.0
+    late = w.schedule([("a", mb50), ("b", mb50), ("c", mb50)])
+    assert late["a"] == late["b"] == (0.0, 0.0)
+    assert late["c"] == pytest.approx((0.5e-3, 0.5e-3))
+    assert w.late([("a", mb50), ("b", mb50), ("c", mb50)]) == pytest.approx(1e-3)
+    assert w.late([("c", mb50 // 2)]) == 0.0  # 0.5 ms each way fits its own windows
+
+
+def _tiny_llama_step(**options):
+    import graphpass
+    from examples import llama
+
+    torch._dynamo.reset()
+    model, (x,) = llama.build("tiny", layers=2, seq=64)
+    x = x.detach().requires_grad_()
+    if options.get("offload"):
+        options["offload_min_bytes"] = 32768
+    backend = graphpass.backend(codegen="eager", fp8="tensorwise", **options)
+    torch.compile(model, backend=backend)(x).float().pow(2).mean().backward()
+    return [x.grad, *(p.grad for p in model.parameters())], backend.report()
+
+
+def test_offload_hidden_only_keeps_the_offloads_whose_copies_hide():
+    """Of what ``offload=True`` offloads, ``offload_hidden_only`` keeps the tensors whose copies
+    the H100 roofline hides (on the tiny layer, a few microseconds of compute: some); every other
+    one stays on the device and says why, with its copy time and windows; gradients are
+    bit-identical to the step without offload."""
+    base, _ = _tiny_llama_step()
+    every_grads, every = _tiny_llama_step(offload=True)
+    grads, hidden = _tiny_llama_step(offload=True, offload_hidden_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, base))
+    assert all(torch.equal(a, b) for a, b in zip(every_grads, base))
+    offloaded = {r.name.removeprefix("cpu_offload_") for r in hidden.rows if r.offloaded}
+    all_offloaded = {r.name.removeprefix("cpu_offload_") for r in every.rows if r.offloaded}
+    kept = {r.name for r in hidden.rows if "offload: no (copy not hidden: " in r.decision}
+    assert offloaded and kept and offloaded | kept == all_offloaded and not offloaded & kept
+    assert [n for n in hidden.notes if n.startswith("offload copy not hidden")] == []
+    assert len([n for n in hidden.notes if n.startswith("offload copy: ")]) == len(offloaded)
+    assert [n for n in every.notes if n.startswith("offload copy not hidden")]
+    row = next(r for r in hidden.rows if r.name in kept)
+    assert re.search(r"copy not hidden: [\d.]+ us each way, under [\d.]+ us of forward compute "
+                     r"after its last use and [\d.]+ us of backward compute before its first",
+                     row.decision), row.decision
+
+
+def test_offload_hidden_only_needs_offload():
+    import graphpass
+
+    with pytest.raises(ValueError, match="offload_hidden_only=True has no effect without "
+                                         "offload=True"):
+        graphpass.Config(offload_hidden_only=True)
