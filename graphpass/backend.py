@@ -73,7 +73,7 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
         from .fp8.providers import environment_key
 
         # The kernel provider is baked into the graph: key on what `kernels` resolves to here.
-        env = environment_key(self.config.kernels, self.config.fp8)
+        env = environment_key(self.config.kernels, self.config.fp8_recipe)
         key = f"{_source_hash()}|{torch.__version__}|{sorted(self.config.as_dict().items())!r}|{env}"
         return hashlib.sha256(key.encode()).hexdigest()
 

@@ -611,7 +611,76 @@ def test_small_gemm_stays_bf16_with_a_note():
         graphpass.Config(fp8_cost_model="off")
 
 
-def _blockwise_gemms(m=256, n=384, k=512):
+def test_blockwise_scale_option():
+    """``fp8_pow2_scales`` for blockwise: None is the recipe's default (power-of-two scales, TE's
+    Float8BlockScaling), ``False`` the plain fp8_max / amax scales (DeepSeek-V3's), carried by
+    the graph ops as their own recipe string and keyed apart in the compile cache. Rowwise keeps
+    its meaning (off unless True); elsewhere the option is an error that says where it works."""
+    from graphpass.backend import Partitioner
+
+    config = graphpass.Config
+    assert config(fp8="blockwise").fp8_recipe == "blockwise"
+    assert config(fp8="blockwise", fp8_pow2_scales=True).fp8_recipe == "blockwise"
+    assert config(fp8="blockwise", fp8_pow2_scales=False).fp8_recipe == "blockwise_nopow2"
+    assert config(fp8="rowwise", fp8_pow2_scales=False).fp8_recipe == "rowwise"
+    assert recipes.get_recipe("blockwise").power_2_scales
+    assert not recipes.get_recipe("blockwise_nopow2").power_2_scales
+    assert recipes.get_recipe("blockwise_nopow2").name == "blockwise"
+    assert recipes.recipe_key("blockwise", False) == "blockwise_nopow2"
+    assert recipes.recipe_key("blockwise", None) == recipes.recipe_key("blockwise", True) == (
+        "blockwise")
+    for recipe in ("tensorwise", "mxfp8", None):
+        with pytest.raises(ValueError, match="fp8_pow2_scales=False has no effect without "
+                           "fp8='rowwise' or fp8='blockwise'"):
+            config(fp8=recipe, fp8_pow2_scales=False)
+    with pytest.raises(ValueError, match="expected a bool"):
+        config(fp8="blockwise", fp8_pow2_scales="no")
+    with pytest.raises(ValueError, match="option of fp8='rowwise' and fp8='blockwise'"):
+        recipes.recipe_key("mxfp8", True)
+    assert config(fp8="blockwise", fp8_pow2_scales=False, kernels="scaled_mm").kernels == (
+        "scaled_mm")
+    uuids = {Partitioner(config(fp8="blockwise", fp8_pow2_scales=p)).uuid()
+             for p in (None, False)}
+    assert len(uuids) == 2
+    # the CLI's flag and GRAPHPASS_OPTIONS take all three values
+    from graphpass import cli_flags, named
+
+    [flag] = [f for f in cli_flags.config_flags() if f.name == "fp8_pow2_scales"]
+    assert flag.flag == "--fp8-pow2-scales" and flag.metavar == "true|false|none"
+    assert [flag.convert(t) for t in ("true", "false", "none")] == [True, False, None]
+    assert named.env_options("fp8=blockwise fp8_pow2_scales=false") == {
+        "fp8": "blockwise", "fp8_pow2_scales": False}
+    # the two differ where a block's fp8_max / amax is no power of two
+    x = torch.randn(256, 256)
+    pow2, plain = (recipes.quantize(x, r, "input")[1] for r in ("blockwise", "blockwise_nopow2"))
+    assert torch.equal(pow2, 2.0 ** torch.log2(pow2).round()) and not torch.equal(pow2, plain)
+    amax = x.abs().reshape(256, 2, 128).amax(-1)
+    assert torch.equal(plain, torch.reciprocal(torch.full_like(amax, 448.0) / amax))
+
+
+@pytest.mark.parametrize("pow2", [None, False], ids=["pow2", "nopow2"])
+def test_blockwise_scale_variants_run_on_the_reference(pow2):
+    """Both blockwise scale settings lower and run on the reference provider, each exactly its
+    recipe (the three GEMMs written out from its qdq), and they differ from each other."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128, bias=False)
+    x, grad_y = torch.randn(128, 256), torch.randn(128, 128)
+    compiled = torch.compile(lin, backend=graphpass.backend(
+        codegen="eager", fp8="blockwise", kernels="reference",
+        **({} if pow2 is None else {"fp8_pow2_scales": pow2})))
+    xx = x.clone().requires_grad_()
+    y = compiled(xx)
+    y.backward(grad_y)
+    recipe = "blockwise" if pow2 is None else "blockwise_nopow2"
+    other = "blockwise_nopow2" if pow2 is None else "blockwise"
+    ref = _emulated_linear(x, lin.weight.detach(), None, grad_y, recipe)
+    for got, want, not_want in zip((y, xx.grad, lin.weight.grad), ref, _emulated_linear(
+            x, lin.weight.detach(), None, grad_y, other)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        assert not torch.equal(got, not_want)
+
+
+def _blockwise_gemms(m=256, n=384, k=512, recipe="blockwise"):
     """The three GEMMs of a blockwise linear (M=256, N=384, K=512): operands as the lowering
     quantizes them, and their roles. dgrad contracts over N=384, three 128-blocks: its weight
     scales are padded to four (L4)."""
@@ -619,7 +688,7 @@ def _blockwise_gemms(m=256, n=384, k=512):
     x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
 
     def q(t, role, columnwise=False):
-        return recipes.quantize(t, "blockwise", role, columnwise=columnwise)
+        return recipes.quantize(t, recipe, role, columnwise=columnwise)
 
     return {"fprop": (*q(x, "input"), *q(w, "weight"), "input", "weight"),
             "dgrad": (*q(dy, "grad"), *q(w, "weight", True), "grad", "weight"),
@@ -631,8 +700,9 @@ _NO_BLOCKWISE_MM = pytest.mark.skipif(_compat.blockwise_scaled_mm_missing() is n
 
 
 @_NO_BLOCKWISE_MM
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_nopow2"])
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
-def test_blockwise_scale_layouts_pass_torchs_checks(gemm):
+def test_blockwise_scale_layouts_pass_torchs_checks(gemm, recipe):
     """The scales graphpass hands torch.nn.functional.scaled_mm for each blockwise GEMM pass
     torch's own shape and stride checks (its meta function, the one a CUDA call runs first), on
     fake CUDA tensors with the layouts of the real ones; the recipe's own row-major scales are
@@ -641,7 +711,7 @@ def test_blockwise_scale_layouts_pass_torchs_checks(gemm):
 
     from graphpass.fp8 import blockwise_gemm
 
-    a, sa, b, sb, a_role, b_role = _blockwise_gemms()[gemm]
+    a, sa, b, sb, a_role, b_role = _blockwise_gemms(recipe=recipe)[gemm]
     layouts = blockwise_gemm.scale_layouts(sa, sb, a_role, b_role)
     assert layouts[1::2] == ("BlockWise1x128",
                              "BlockWise1x128" if gemm == "wgrad" else "BlockWise128x128")
@@ -669,14 +739,15 @@ def test_blockwise_scale_layouts_pass_torchs_checks(gemm):
         call(sa, layouts[2])
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_nopow2"])
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
-def test_blockwise_scale_layouts_mean_the_reference(gemm):
+def test_blockwise_scale_layouts_mean_the_reference(gemm, recipe):
     """Read as torch defines them (scale_a[m, kb] for 1x128; scale_b[n, kb] for 1x128 and
     scale_b[kb, n // 128] for 128x128), the layouts give the reference provider's product: the
     same dequantized operands, summed in fp32."""
     from graphpass.fp8 import blockwise_gemm
 
-    a, sa, b, sb, a_role, b_role = _blockwise_gemms()[gemm]
+    a, sa, b, sb, a_role, b_role = _blockwise_gemms(recipe=recipe)[gemm]
     scale_a, _, scale_b, recipe_b = blockwise_gemm.scale_layouts(sa, sb, a_role, b_role)
     (m, k), n = a.shape, b.shape[0]
     kb = k // 128
@@ -686,7 +757,7 @@ def test_blockwise_scale_layouts_mean_the_reference(gemm):
     else:
         b_scale = scale_b[:kb].repeat_interleave(128, dim=1)[:, :n].t()  # (N, K/128)
     b32 = (b.float().view(n, kb, 128) * b_scale[:, :, None]).view(n, k)
-    ref = providers.get("reference").gemm(a, sa, b, sb, "blockwise", a_role, b_role,
+    ref = providers.get("reference").gemm(a, sa, b, sb, recipe, a_role, b_role,
                                           torch.float32, None)
     torch.testing.assert_close(a32 @ b32.t(), ref, rtol=1e-5, atol=1e-4)
 
