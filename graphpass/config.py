@@ -64,9 +64,10 @@ class Config:
     routers by default, as Megatron and torchtitan do."""
 
     fuse_quantize: bool = True
-    """With ``codegen="inductor"`` and ``fp8="tensorwise"`` or ``"rowwise"``: after the
-    partition, inline each quantize's recipe so Inductor fuses its amax, scale and cast with
-    the neighbouring ops, gradients' quantizes included. It reads the bf16-rounded value eager
+    """With ``codegen="inductor"`` and ``fp8="tensorwise"``, ``"rowwise"`` or ``"blockwise"``:
+    after the partition, inline each quantize's recipe so Inductor fuses its amax, scale and
+    cast with the neighbouring ops, gradients' quantizes included (mxfp8's stay one op, with a
+    report note). It reads the bf16-rounded value eager
     reads (bit-identical to the opaque op on the CPU); the contract is each dequantized value
     within one FP8 ulp of the opaque op's (docs/fp8.md#exactness). ``False`` keeps each quantize
     one opaque op, for debugging."""
