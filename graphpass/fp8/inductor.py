@@ -66,13 +66,14 @@ def fusion_notes(*, device_types: set[str], recipe: str | None = None,
         return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
             f"{recipes.get_recipe(recipe).name} quantizes run as one op each (graphpass inlines "
             f"{', '.join(INLINED_RECIPES[:-1])} and {INLINED_RECIPES[-1]} ones)"))]
-    grouped = sum(1 for g in graphs for n in g.nodes if n.target is ops.QUANTIZE
-                  and len(n.args) == 5 and not recipes.is_rowwise(n.args[1]))
-    if grouped:
-        return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
-            f"{grouped} quantize(s) over token groups (offsets) run as one op each: each group "
-            "is padded to whole blocks, a loop over the group sizes read on the host"))]
-    return []
+    grouped = [recipes.get_recipe(n.args[1]).name for g in graphs for n in g.nodes
+               if n.target is ops.QUANTIZE and len(n.args) == 5 and not recipes.is_rowwise(n.args[1])]
+    why = {"blockwise": "each group is padded to whole blocks, a loop over the group sizes read "
+                        "on the host",
+           "tensorwise": "one scale per group, not inlined yet"}
+    return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
+        f"{grouped.count(name)} {name} quantize(s) over token groups (offsets) run as one op "
+        f"each: {why[name]}")) for name in sorted(set(grouped))]
 
 
 @functools.lru_cache(maxsize=1)
