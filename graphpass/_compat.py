@@ -569,6 +569,67 @@ def inductor_decompositions() -> Callable[[], Any]:
     return select_decomp_table
 
 
+def guard_cpp_loop_split() -> None:
+    """Keep Inductor's C++ (CPU) loop split off the fused groups it mishandles; idempotent.
+
+    ``CppScheduling.try_loop_split`` (torch 2.11-2.13 at least) splits a loop ``i`` indexed as
+    ``i // d`` into ``d * i0 + i1`` to avoid a division in the inner loop. It does not check that
+    ``d`` divides the loop's size: for a size that is no multiple of ``d`` the split loop runs
+    ``d * (size // d)`` times and the tail is never written (seen as wrong FP8 bytes of a 1x128
+    quantize of a (2, 200, 136) stack, K = 136). And it checks that the fused nodes have as many
+    loop dimensions as each other, not the same sizes: two nodes of shapes (512, 128) and
+    (128, 512), a quantize's rowwise and columnwise copies fused into one kernel, end in
+    ``AssertionError: ({y0: 512, y1: 1, y2: 128}, {y0: 128, y1: 4, y2: 128})`` (torch 2.13;
+    2.11 has no assertion there). The guard leaves such groups unsplit, as torch itself does
+    for any group it cannot split; every other group is split as before. It wraps the method
+    on torch's class, so it holds for every compile in the process once installed (by
+    ``fp8.inductor.post_grad_pass``): only the groups above compile differently.
+    """
+    try:
+        from torch._inductor.codegen import cpp
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return
+    scheduling = getattr(cpp, "CppScheduling", None)
+    split = getattr(scheduling, "try_loop_split", None)
+    if split is None or getattr(split, "graphpass_guard", False):
+        return
+
+    def try_loop_split(self: Any, nodes: Any) -> Any:
+        return nodes if _loop_split_unsafe(nodes) else split(self, nodes)
+
+    try_loop_split.graphpass_guard = True  # type: ignore[attr-defined]
+    scheduling.try_loop_split = try_loop_split
+
+
+def _loop_split_unsafe(nodes: Any) -> bool:
+    """Whether the fused ``nodes`` have loops of different sizes, or a loop ``i`` indexed as
+    ``i // d`` whose size ``d`` may not divide (``guard_cpp_loop_split``)."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    sizes = set()
+    for node in nodes:
+        buffer = getattr(node, "node", None)
+        if not hasattr(buffer, "get_default_sizes_body"):
+            return False  # not a group torch splits (it asserts ComputedBuffers): its decision
+        (index_size, _), body, _ = buffer.get_default_sizes_body()
+        sizes.add(tuple(index_size))
+        for expr in body.indexing_exprs.values():
+            if not isinstance(expr, sympy.Expr):
+                continue
+            for div in expr.find(FloorDiv):
+                var, divisor = div.args
+                size = body.var_ranges.get(var)  # None: the dividend is no loop variable
+                if size is None:
+                    continue
+                divides = (isinstance(divisor, sympy.Integer)
+                           and isinstance(size, (int, sympy.Integer))
+                           and int(size) % int(divisor) == 0)
+                if not divides:
+                    return True
+    return len(sizes) > 1
+
+
 def custom_graph_pass_base() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 

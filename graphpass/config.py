@@ -52,9 +52,12 @@ class Config:
     ``torch._scaled_mm``'s and ``torch._scaled_grouped_mm``'s rowwise kernels, torchao's
     ``rowwise``)."""
 
-    fp8_pow2_scales: bool = False
-    """With ``fp8="rowwise"``: scales rounded down to powers of two (torchao's
-    ``round_scales_to_power_of_2``), so scaling and unscaling are exact."""
+    fp8_pow2_scales: bool | None = None
+    """Scales rounded down to powers of two, so scaling and unscaling are exact: with
+    ``fp8="rowwise"`` (off by default; torchao's ``round_scales_to_power_of_2``) or
+    ``fp8="blockwise"`` (on by default, Transformer Engine's ``Float8BlockScaling``; ``False``
+    gives the plain ``fp8_max / amax`` scales of DeepSeek-V3's recipe). ``None``: the recipe's
+    default."""
 
     fp8_format: FP8Format = "hybrid"
     """With ``fp8="tensorwise"``: Transformer Engine's FP8 format. ``"hybrid"`` (TE's
@@ -72,9 +75,10 @@ class Config:
     routers by default, as Megatron and torchtitan do."""
 
     fuse_quantize: bool = True
-    """With ``codegen="inductor"`` and ``fp8="tensorwise"`` or ``"rowwise"``: after the
-    partition, inline each quantize's recipe so Inductor fuses its amax, scale and cast with
-    the neighbouring ops, gradients' quantizes included. It reads the bf16-rounded value eager
+    """With ``codegen="inductor"`` and ``fp8="tensorwise"``, ``"rowwise"`` or ``"blockwise"``:
+    after the partition, inline each quantize's recipe so Inductor fuses its amax, scale and
+    cast with the neighbouring ops, gradients' quantizes included (mxfp8's stay one op, with a
+    report note). It reads the bf16-rounded value eager
     reads (bit-identical to the opaque op on the CPU); the contract is each dequantized value
     within one FP8 ulp of the opaque op's (docs/fp8.md#exactness). ``False`` keeps each quantize
     one opaque op, for debugging."""
@@ -186,13 +190,16 @@ class Config:
     @property
     def fp8_recipe(self) -> str | None:
         """The recipe name the FP8 graph ops carry: ``fp8``, ``"rowwise_pow2"`` for
-        ``fp8="rowwise"`` with ``fp8_pow2_scales``, or ``"tensorwise_e4m3"`` for
+        ``fp8="rowwise"`` with ``fp8_pow2_scales=True``, ``"blockwise_nopow2"`` for
+        ``fp8="blockwise"`` with ``fp8_pow2_scales=False``, or ``"tensorwise_e4m3"`` for
         ``fp8="tensorwise"`` with ``fp8_format="e4m3"``."""
-        if self.fp8 is None:
-            return None
         if self.fp8 == "tensorwise" and self.fp8_format == "e4m3":
             return "tensorwise_e4m3"
-        return "rowwise_pow2" if self.fp8_pow2_scales and self.fp8 == "rowwise" else self.fp8
+        if self.fp8 == "rowwise" and self.fp8_pow2_scales is True:
+            return "rowwise_pow2"
+        if self.fp8 == "blockwise" and self.fp8_pow2_scales is False:
+            return "blockwise_nopow2"
+        return self.fp8
 
     @property
     def offload_on_stream(self) -> bool:
@@ -224,7 +231,8 @@ class Config:
             )
         _type("report", self.report, bool)
         _type("fuse_quantize", self.fuse_quantize, bool)
-        _type("fp8_pow2_scales", self.fp8_pow2_scales, bool)
+        if self.fp8_pow2_scales is not None:
+            _type("fp8_pow2_scales", self.fp8_pow2_scales, bool)
         _type("fp8_all_gather", self.fp8_all_gather, bool)
         for name in ("fp8_exclude", "save_original_modules", "recompute", "recompute_include",
                      "offload_exclude"):
@@ -338,7 +346,9 @@ def _combinations(config: Config) -> None:
         ("fp8_accumulate", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_cost_model", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
-        ("fp8_pow2_scales", config.fp8 == "rowwise", "fp8='rowwise'"),
+        ("fp8_pow2_scales", config.fp8 in ("rowwise", "blockwise"),
+         "fp8='rowwise' or fp8='blockwise' (mxfp8's E8M0 scales are powers of two by "
+         "construction, tensorwise's are not rounded)"),
         ("fp8_format", config.fp8 == "tensorwise",
          "fp8='tensorwise' (the other recipes are E4M3 in every role already)"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),

@@ -16,7 +16,7 @@ from . import _compat
 from ._version import __version__
 from .config import Config
 from .decisions import Decision, Plan, What
-from .fp8.inductor import INLINED_RECIPES, fusion_notes
+from .fp8.inductor import fusion_notes
 from .graph.collectives import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
@@ -68,7 +68,7 @@ class ReportBuilder:
             *self.plan.decisions,
             *(Decision(What.FLOPS_ESTIMATED, "flops", f"{op} ({why})")
               for op, why in self.estimated.items()),
-            *self._fusion_notes(),
+            *self._fusion_notes(fw, bw),
             *outcome,
             *copy_notes(offload_copies(fw, bw), synchronous=self.config.offload_stream is False),
             *collective_notes(fw, bw),  # a tensor/sequence-parallel rank's communication
@@ -85,14 +85,15 @@ class ReportBuilder:
             report.meta["fp8_coverage"] = self.fp8_coverage
         return report
 
-    def _fusion_notes(self) -> list[Decision]:
+    def _fusion_notes(self, fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
         """Where the backend leaves quantizes as one op although ``fuse_quantize`` asks to inline
         them: say which and why."""
         config = self.config
-        if config.codegen != "inductor" or not config.fuse_quantize or config.fp8 not in INLINED_RECIPES:
+        if config.codegen != "inductor" or not config.fuse_quantize or config.fp8 is None:
             return []
         return fusion_notes(device_types={p.meta["val"].device.type for p in self.plan.primals
-                                          if isinstance(p.meta.get("val"), torch.Tensor)})
+                                          if isinstance(p.meta.get("val"), torch.Tensor)},
+                            recipe=config.fp8_recipe, graphs=(fw.graph, bw.graph))
 
 
 def remember(report: Report) -> None:

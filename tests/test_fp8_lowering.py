@@ -326,9 +326,11 @@ def _rel_error(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 @pytest.mark.parametrize("device", ["cpu", _CUDA])
-def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
-    """With Inductor, every tensorwise quantize is inlined after the partition and fused,
+def test_inlined_quantize_is_bit_identical_to_the_op(device, recipe, monkeypatch):
+    """With Inductor, every tensorwise and blockwise quantize (1x128 activations and gradients,
+    128x128 weights, both copies) is inlined after the partition and fused,
     gradients' included: the generated code calls no graphpass.quantize. The contract is bounded
     (tests/test_fp8_lowering.py::test_fused_quantize_is_within_one_fp8_ulp_of_the_op); on the CPU
     Inductor reads the bf16-rounded values eager reads (emulate_precision_casts), so outputs and
@@ -342,7 +344,9 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
     Every FP8 GEMM gets its operands K-major as Inductor lays them out, with no copy: fused, a
     columnwise copy would otherwise be written in the transposed gradient's stride order, which
     cuBLASLt refuses ("Only multiplication of row-major and column-major matrices", seen on an
-    H100 before fp8_gemm asked Inductor for fixed strides)."""
+    H100 before fp8_gemm asked Inductor for fixed strides). Blockwise (the reference provider)
+    is the case where Inductor's C++ loop split mishandled the fused copies
+    (``_compat.guard_cpp_loop_split``)."""
     from torch._inductor import config as inductor_config
 
     from graphpass.fp8 import ops
@@ -357,12 +361,12 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
         # that every version runs it): fused quantizes would not give the recipe's FP8 bits, so
         # the backend keeps each quantize one op and the report says why.
         m.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: False)
-        opaque, opaque_code = _inductor_step(model, inputs, fp8="tensorwise")
+        opaque, opaque_code = _inductor_step(model, inputs, fp8=recipe)
         assert [n for n in graphpass.last_report().notes if n.startswith("fuse_quantize: off: torch ")
                 and "each quantize runs as one op" in n]
     seen = []  # a user's post-grad pass runs before the inlining and sees every quantize
     with inductor_config.patch(post_grad_custom_pre_pass=_count_quantizes(seen)):
-        fused, fused_code = _inductor_step(model, inputs, fp8="tensorwise")
+        fused, fused_code = _inductor_step(model, inputs, fp8=recipe)
     assert not [n for n in graphpass.last_report().notes if n.startswith("fuse_quantize")] or (
         not _compat.inductor_rounds_fused_casts(device_types=[device]))
     assert len(seen) == 2 and all(seen)  # forward and backward
@@ -380,7 +384,7 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device, monkeypatch):
     if _compat.inductor_rounds_fused_casts(device_types=[device]):
         # torch 2.11's Inductor CPU code is no reference for a bf16 step: its gradients of this
         # layer are 76-100% (relative) away from aot_eager's with torch's own backends, no FP8
-        eager = _eager_step(model, inputs, fp8="tensorwise")
+        eager = _eager_step(model, inputs, fp8=recipe)
         errors = [_rel_error(a, b) for a, b in zip(fused, eager)]
         assert max(errors) <= BOUND["grad"], errors
     assert len(strides) >= 2 * 3 * 7 and all(s[-1] == 1 for s in strides), strides
@@ -408,10 +412,10 @@ def _fp8_ulp(data, scale_inv):
     return step * scale_inv.float()
 
 
-# E4M3, E5M2, and E4M3 gradients (fp8_format="e4m3")
-@pytest.mark.parametrize("recipe, role", [("tensorwise", "input"), ("tensorwise", "grad"),
-                                          ("tensorwise_e4m3", "grad")],
-                         ids=["input", "grad", "grad-e4m3"])
+@pytest.mark.parametrize("recipe,role", [
+    ("tensorwise", "input"), ("tensorwise", "grad"),  # E4M3, E5M2
+    ("tensorwise_e4m3", "grad"),  # E4M3 gradients (fp8_format="e4m3")
+    ("blockwise", "input"), ("blockwise", "weight")])  # 1x128 blocks, 128x128 tiles
 @pytest.mark.parametrize("emulate", [True, False], ids=["rounded", "unrounded"])
 @pytest.mark.skipif(not _compat.inductor_rounds_fused_casts(device_types=["cpu"]),
                     reason="this torch's Inductor CPU code does not round fused bf16 values as "
@@ -446,16 +450,79 @@ def test_fused_quantize_is_within_one_fp8_ulp_of_the_op(recipe, role, emulate):
         fused, code = run_and_get_code(torch.compile(swiglu_quantize, backend="inductor"), a, b)
     code = "\n".join(code)
     assert "graphpass.quantize" not in code
-    for (fd, fs), (od, os_) in zip(zip(fused[::2], fused[1::2]), zip(opaque[::2], opaque[1::2])):
-        diff = (fd.float() * fs - od.float() * os_).abs()
-        assert (diff <= torch.maximum(_fp8_ulp(od, os_), _fp8_ulp(fd, fs))).all()
+    for columnwise, (fd, fs), (od, os_) in zip((False, True), zip(fused[::2], fused[1::2]),
+                                               zip(opaque[::2], opaque[1::2])):
+        assert fs.shape == os_.shape and fs.is_contiguous() and fd.is_contiguous()
+        fv, ov = (recipes.dequantize(d, s_, recipe, role) for d, s_ in ((fd, fs), (od, os_)))
+        ulp = [_fp8_ulp(d, _per_element(s_, d, recipe, role)) for d, s_ in ((od, os_), (fd, fs))]
+        assert ((fv - ov).abs() <= torch.maximum(*ulp)).all()
         same = torch.equal(fd.view(torch.uint8), od.view(torch.uint8)) and torch.equal(fs, os_)
         rounds = emulate and _compat.inductor_rounds_fused_casts(device_types=["cpu"])
         assert same == rounds  # bit-identical exactly where Inductor rounds as eager does
     buffers = re.findall(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code)
-    assert ("256, 512", "float32") not in buffers and ("512, 256", "float32") not in buffers
-    assert sorted(d for shape, d in buffers if shape in ("256, 512", "512, 256")) == [
-        "bfloat16"] + [str(recipes.fp8_dtype(recipe, role)).removeprefix("torch.")] * 2
+    whole = [(shape, d) for shape, d in buffers if _numel(shape) >= 256 * 512]
+    assert sorted(d for shape, d in whole) == [
+        "bfloat16"] + [str(recipes.fp8_dtype(recipe, role)).removeprefix("torch.")] * 2, whole
+
+
+def _numel(shape: str) -> int:
+    """The element count of a shape as Inductor's code prints it (``"256, 512"``)."""
+    n = 1
+    for size in filter(None, (p.strip() for p in shape.split(","))):
+        n *= int(size)
+    return n
+
+
+def _per_element(scale_inv, data, recipe, role):
+    """``scale_inv`` broadcast to ``data``'s shape (a block's scale for each of its values)."""
+    block = recipes.block_shape(recipe, role)
+    if block is None:
+        return scale_inv.expand(data.shape)
+    rows, cols = data.shape
+    return scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+
+
+@pytest.mark.skipif(not _compat.inductor_rounds_fused_casts(device_types=["cpu"]),
+                    reason="this torch's Inductor CPU code does not round fused bf16 values as "
+                    "eager does, so graphpass keeps every quantize one op on the CPU (fusion_notes)")
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "nopow2"])
+@pytest.mark.parametrize("shape", [(200, 300), (2, 200, 136)], ids=["ragged", "stack"])
+def test_inlined_blockwise_quantize_is_the_op_for_every_role_and_usage(shape, pow2):
+    """Every blockwise quantize, inlined, gives the op's bits on the CPU: each role (1x128
+    blocks, 128x128 tiles), each usage (rowwise, columnwise, both), with M and K no multiples of
+    128 (a partial block is padded with zeros: its amax is its own values'), for a stack of
+    matrices (one quantized at a time) too, with NaN and inf, under both scale settings. The
+    nine quantizes of one tensor share kernels. The (2, 200, 136) stack is the case Inductor's
+    C++ loop split wrote partly (K = 136: the last 8 columns never written) before
+    ``_compat.guard_cpp_loop_split``."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from graphpass.fp8 import ops
+    from graphpass.fp8.inductor import post_grad_pass
+
+    recipe = "blockwise" if pow2 else "blockwise_nopow2"
+    torch.manual_seed(0)
+    a, b = (torch.randn(*shape, dtype=torch.bfloat16) * 3 for _ in range(2))
+    a.view(-1)[5], a.view(-1)[7] = float("nan"), float("inf")
+
+    def quantizes(a, b):
+        x = torch.nn.functional.silu(a) * b
+        return [t for role in recipes.ROLES for usage in ops.USAGES
+                for t in ops.quantize(x, recipe, role, usage)]
+
+    opaque = quantizes(a, b)
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_pre_pass=post_grad_pass("test", None),
+                               emulate_precision_casts=True,
+                               **{"eager_numerics.division_rounding": True}):
+        fused, code = run_and_get_code(torch.compile(quantizes, backend="inductor"), a, b)
+    assert "graphpass.quantize" not in "\n".join(code)
+    assert len(fused) == len(opaque) == 3 * 2 * 4
+    for f, o in zip(fused, opaque):
+        assert f.dtype == o.dtype and f.shape == o.shape and f.stride() == o.stride()
+        assert torch.equal(f.view(torch.uint8), o.view(torch.uint8)) if f.element_size() == 1 \
+            else torch.equal(f, o)
 
 
 def test_fuse_quantize_false_keeps_every_quantize_one_op():
@@ -470,13 +537,19 @@ def test_fuse_quantize_false_keeps_every_quantize_one_op():
 
 
 def test_which_quantizes_are_inlined_and_the_notes_that_say_so(monkeypatch):
-    """Every tensorwise quantize, in every role and on every device; block recipes not. The
-    report says where quantizes stay one op on the graph's devices (torch 2.11's CPU code)."""
-    from graphpass.fp8.inductor import fusion_notes, inlinable
+    """Every tensorwise, rowwise and blockwise quantize, in every role and on every device;
+    mxfp8 not. The report says where quantizes stay one op on the graph's devices (torch 2.11's
+    CPU code) and under which recipe."""
+    from graphpass.fp8.inductor import INLINED_RECIPES, fusion_notes, inlinable
 
+    assert INLINED_RECIPES == ("tensorwise", "rowwise", "blockwise")
     assert inlinable("tensorwise")
-    assert not inlinable("blockwise") and not inlinable("mxfp8")
+    assert inlinable("blockwise") and inlinable("blockwise_nopow2")
+    assert not inlinable("mxfp8")
     assert inlinable("rowwise") and inlinable("rowwise_pow2")
+    [note] = map(str, fusion_notes(device_types={"cuda"}, recipe="mxfp8"))
+    assert note == ("fuse_quantize: off: mxfp8 quantizes run as one op each (graphpass inlines "
+                    "tensorwise, rowwise and blockwise ones)")
     monkeypatch.setattr(_compat, "inductor_rounds_fused_casts", lambda *, device_types: True)
     assert fusion_notes(device_types={"cpu"}) == []
     assert fusion_notes(device_types={"cuda"}) == []  # gradients fused on CUDA too
@@ -485,18 +558,23 @@ def test_which_quantizes_are_inlined_and_the_notes_that_say_so(monkeypatch):
     assert note.startswith("fuse_quantize: off: torch ")
 
 
-def test_block_recipes_stay_one_op_under_the_users_post_grad_pass():
-    """Block recipes are not inlined (reference provider): each quantize stays one op. The user's
-    post-grad pass sees both graphs with their quantizes (the tensorwise case, where inlining runs
-    after the user's pass, is asserted in test_inlined_quantize_is_bit_identical_to_the_op)."""
+def test_mxfp8_stays_one_op_under_the_users_post_grad_pass():
+    """mxfp8 quantizes are not inlined (reference provider): each stays one op, and the report
+    says so. The user's post-grad pass sees both graphs with their quantizes (the inlined
+    recipes, where inlining runs after the user's pass, are asserted in
+    test_inlined_quantize_is_bit_identical_to_the_op)."""
     from torch._inductor import config as inductor_config
+
+    from graphpass.fp8.inductor import fusion_notes
 
     seen = []
     model, inputs = llama.build("tiny", layers=1, seq=64)
     with inductor_config.patch(post_grad_custom_pre_pass=_count_quantizes(seen)):
-        _, code = _inductor_step(model, inputs, fp8="blockwise")
+        _, code = _inductor_step(model, inputs, fp8="mxfp8")
     assert "graphpass.quantize" in code
     assert len(seen) == 2 and all(seen)
+    assert [n for n in graphpass.last_report().notes if n.startswith("fuse_quantize")] == [
+        str(d) for d in fusion_notes(device_types={"cpu"}, recipe="mxfp8")]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -615,7 +693,76 @@ def test_small_gemm_stays_bf16_with_a_note():
         graphpass.Config(fp8_cost_model="off")
 
 
-def _blockwise_gemms(m=256, n=384, k=512):
+def test_blockwise_scale_option():
+    """``fp8_pow2_scales`` for blockwise: None is the recipe's default (power-of-two scales, TE's
+    Float8BlockScaling), ``False`` the plain fp8_max / amax scales (DeepSeek-V3's), carried by
+    the graph ops as their own recipe string and keyed apart in the compile cache. Rowwise keeps
+    its meaning (off unless True); elsewhere the option is an error that says where it works."""
+    from graphpass.backend import Partitioner
+
+    config = graphpass.Config
+    assert config(fp8="blockwise").fp8_recipe == "blockwise"
+    assert config(fp8="blockwise", fp8_pow2_scales=True).fp8_recipe == "blockwise"
+    assert config(fp8="blockwise", fp8_pow2_scales=False).fp8_recipe == "blockwise_nopow2"
+    assert config(fp8="rowwise", fp8_pow2_scales=False).fp8_recipe == "rowwise"
+    assert recipes.get_recipe("blockwise").power_2_scales
+    assert not recipes.get_recipe("blockwise_nopow2").power_2_scales
+    assert recipes.get_recipe("blockwise_nopow2").name == "blockwise"
+    assert recipes.recipe_key("blockwise", False) == "blockwise_nopow2"
+    assert recipes.recipe_key("blockwise", None) == recipes.recipe_key("blockwise", True) == (
+        "blockwise")
+    for recipe in ("tensorwise", "mxfp8", None):
+        with pytest.raises(ValueError, match="fp8_pow2_scales=False has no effect without "
+                           "fp8='rowwise' or fp8='blockwise'"):
+            config(fp8=recipe, fp8_pow2_scales=False)
+    with pytest.raises(ValueError, match="expected a bool"):
+        config(fp8="blockwise", fp8_pow2_scales="no")
+    with pytest.raises(ValueError, match="option of fp8='rowwise' and fp8='blockwise'"):
+        recipes.recipe_key("mxfp8", True)
+    assert config(fp8="blockwise", fp8_pow2_scales=False, kernels="scaled_mm").kernels == (
+        "scaled_mm")
+    uuids = {Partitioner(config(fp8="blockwise", fp8_pow2_scales=p)).uuid()
+             for p in (None, False)}
+    assert len(uuids) == 2
+    # the CLI's flag and GRAPHPASS_OPTIONS take all three values
+    from graphpass import cli_flags, named
+
+    [flag] = [f for f in cli_flags.config_flags() if f.name == "fp8_pow2_scales"]
+    assert flag.flag == "--fp8-pow2-scales" and flag.metavar == "true|false|none"
+    assert [flag.convert(t) for t in ("true", "false", "none")] == [True, False, None]
+    assert named.env_options("fp8=blockwise fp8_pow2_scales=false") == {
+        "fp8": "blockwise", "fp8_pow2_scales": False}
+    # the two differ where a block's fp8_max / amax is no power of two
+    x = torch.randn(256, 256)
+    pow2, plain = (recipes.quantize(x, r, "input")[1] for r in ("blockwise", "blockwise_nopow2"))
+    assert torch.equal(pow2, 2.0 ** torch.log2(pow2).round()) and not torch.equal(pow2, plain)
+    amax = x.abs().reshape(256, 2, 128).amax(-1)
+    assert torch.equal(plain, torch.reciprocal(torch.full_like(amax, 448.0) / amax))
+
+
+@pytest.mark.parametrize("pow2", [None, False], ids=["pow2", "nopow2"])
+def test_blockwise_scale_variants_run_on_the_reference(pow2):
+    """Both blockwise scale settings lower and run on the reference provider, each exactly its
+    recipe (the three GEMMs written out from its qdq), and they differ from each other."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128, bias=False)
+    x, grad_y = torch.randn(128, 256), torch.randn(128, 128)
+    compiled = torch.compile(lin, backend=graphpass.backend(
+        codegen="eager", fp8="blockwise", kernels="reference",
+        **({} if pow2 is None else {"fp8_pow2_scales": pow2})))
+    xx = x.clone().requires_grad_()
+    y = compiled(xx)
+    y.backward(grad_y)
+    recipe = "blockwise" if pow2 is None else "blockwise_nopow2"
+    other = "blockwise_nopow2" if pow2 is None else "blockwise"
+    ref = _emulated_linear(x, lin.weight.detach(), None, grad_y, recipe)
+    for got, want, not_want in zip((y, xx.grad, lin.weight.grad), ref, _emulated_linear(
+            x, lin.weight.detach(), None, grad_y, other)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        assert not torch.equal(got, not_want)
+
+
+def _blockwise_gemms(m=256, n=384, k=512, recipe="blockwise"):
     """The three GEMMs of a blockwise linear (M=256, N=384, K=512): operands as the lowering
     quantizes them, and their roles. dgrad contracts over N=384, three 128-blocks: its weight
     scales are padded to four (L4)."""
@@ -623,7 +770,7 @@ def _blockwise_gemms(m=256, n=384, k=512):
     x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
 
     def q(t, role, columnwise=False):
-        return recipes.quantize(t, "blockwise", role, columnwise=columnwise)
+        return recipes.quantize(t, recipe, role, columnwise=columnwise)
 
     return {"fprop": (*q(x, "input"), *q(w, "weight"), "input", "weight"),
             "dgrad": (*q(dy, "grad"), *q(w, "weight", True), "grad", "weight"),
@@ -635,8 +782,9 @@ _NO_BLOCKWISE_MM = pytest.mark.skipif(_compat.blockwise_scaled_mm_missing() is n
 
 
 @_NO_BLOCKWISE_MM
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_nopow2"])
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
-def test_blockwise_scale_layouts_pass_torchs_checks(gemm):
+def test_blockwise_scale_layouts_pass_torchs_checks(gemm, recipe):
     """The scales graphpass hands torch.nn.functional.scaled_mm for each blockwise GEMM pass
     torch's own shape and stride checks (its meta function, the one a CUDA call runs first), on
     fake CUDA tensors with the layouts of the real ones; the recipe's own row-major scales are
@@ -645,7 +793,7 @@ def test_blockwise_scale_layouts_pass_torchs_checks(gemm):
 
     from graphpass.fp8 import blockwise_gemm
 
-    a, sa, b, sb, a_role, b_role = _blockwise_gemms()[gemm]
+    a, sa, b, sb, a_role, b_role = _blockwise_gemms(recipe=recipe)[gemm]
     layouts = blockwise_gemm.scale_layouts(sa, sb, a_role, b_role)
     assert layouts[1::2] == ("BlockWise1x128",
                              "BlockWise1x128" if gemm == "wgrad" else "BlockWise128x128")
@@ -673,14 +821,15 @@ def test_blockwise_scale_layouts_pass_torchs_checks(gemm):
         call(sa, layouts[2])
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_nopow2"])
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
-def test_blockwise_scale_layouts_mean_the_reference(gemm):
+def test_blockwise_scale_layouts_mean_the_reference(gemm, recipe):
     """Read as torch defines them (scale_a[m, kb] for 1x128; scale_b[n, kb] for 1x128 and
     scale_b[kb, n // 128] for 128x128), the layouts give the reference provider's product: the
     same dequantized operands, summed in fp32."""
     from graphpass.fp8 import blockwise_gemm
 
-    a, sa, b, sb, a_role, b_role = _blockwise_gemms()[gemm]
+    a, sa, b, sb, a_role, b_role = _blockwise_gemms(recipe=recipe)[gemm]
     scale_a, _, scale_b, recipe_b = blockwise_gemm.scale_layouts(sa, sb, a_role, b_role)
     (m, k), n = a.shape, b.shape[0]
     kb = k // 128
@@ -690,7 +839,7 @@ def test_blockwise_scale_layouts_mean_the_reference(gemm):
     else:
         b_scale = scale_b[:kb].repeat_interleave(128, dim=1)[:, :n].t()  # (N, K/128)
     b32 = (b.float().view(n, kb, 128) * b_scale[:, :, None]).view(n, k)
-    ref = providers.get("reference").gemm(a, sa, b, sb, "blockwise", a_role, b_role,
+    ref = providers.get("reference").gemm(a, sa, b, sb, recipe, a_role, b_role,
                                           torch.float32, None)
     torch.testing.assert_close(a32 @ b32.t(), ref, rtol=1e-5, atol=1e-4)
 

@@ -8,10 +8,13 @@ before Inductor's own pattern passes) lets Inductor fuse the amax reduction, the
 saturating cast, and the transpose of a columnwise copy, with the ops around them, as it does
 for torchao's float8.
 
-The tensorwise and rowwise recipes are inlined: they are the ones the TE and ``torch._scaled_mm``
-/ ``torch._scaled_grouped_mm`` GEMMs take. A rowwise scale is local to its row (one reduction
-along it), and its grouped quantizes (offsets) are device ops without a host sync, so they are
-inlined too. Block recipes' quantizes stay one op.
+The tensorwise, rowwise and blockwise recipes are inlined: they are the ones the TE,
+``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` and cuBLASLt blockwise GEMMs take. A rowwise
+scale is local to its row (one reduction along it), and its grouped quantizes (offsets) are
+device ops without a host sync, so they are inlined too. A blockwise scale is local to its 1x128
+block or 128x128 tile (``_fused_blockwise``); a blockwise quantize over token groups pads each
+group in a loop over the group sizes, read on the host, and stays one op, as every mxfp8
+quantize does (``fusion_notes`` says so in the report).
 
 Numerics. Fusing is a speed decision, held to a bound, not to the opaque op's bits: each
 dequantized FP8 value of a fused quantize is within one FP8 ulp of the opaque op's (the bound the
@@ -40,24 +43,37 @@ from .. import _compat
 from ..decisions import Decision, What
 from . import ops, recipes
 
-INLINED_RECIPES = ("tensorwise", "rowwise")
+INLINED_RECIPES = ("tensorwise", "rowwise", "blockwise")
 
 
 def inlinable(recipe: str) -> bool:
-    """Whether a quantize is inlined: every tensorwise and rowwise one, on every device and in
-    every role."""
+    """Whether a quantize is inlined: every tensorwise, rowwise and blockwise one (either scale
+    setting), on every device and in every role; a blockwise one over token groups stays one op
+    (``fusion_notes``)."""
     return recipes.get_recipe(recipe).name in INLINED_RECIPES
 
 
-def fusion_notes(*, device_types: set[str]) -> list[Decision]:
+def fusion_notes(*, device_types: set[str], recipe: str | None = None,
+                 graphs: tuple[fx.Graph, ...] = ()) -> list[Decision]:
     """The report's decisions for the quantizes ``fuse_quantize`` leaves as one op on these
-    devices."""
+    devices, under ``recipe``, in the partitioned ``graphs``."""
     if not _compat.inductor_rounds_fused_casts(device_types=device_types):
         return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
             f"torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does not round fused bf16 "
             "values as eager does, so fused quantizes would not give the recipe's FP8 bits; each "
             "quantize runs as one op (torch >= 2.13 fuses them)"))]
-    return []
+    if recipe is not None and not inlinable(recipe):
+        return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
+            f"{recipes.get_recipe(recipe).name} quantizes run as one op each (graphpass inlines "
+            f"{', '.join(INLINED_RECIPES[:-1])} and {INLINED_RECIPES[-1]} ones)"))]
+    grouped = [recipes.get_recipe(n.args[1]).name for g in graphs for n in g.nodes
+               if n.target is ops.QUANTIZE and len(n.args) == 5 and not recipes.is_rowwise(n.args[1])]
+    why = {"blockwise": "each group is padded to whole blocks, a loop over the group sizes read "
+                        "on the host",
+           "tensorwise": "one scale per group, not inlined yet"}
+    return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
+        f"{grouped.count(name)} {name} quantize(s) over token groups (offsets) run as one op "
+        f"each: {why[name]}")) for name in sorted(set(grouped))]
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,6 +118,8 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
     own dtype (abs and max are exact, so the fp32 of that max is the fp32 amax), and each copy
     casts ``x`` to fp32 on its own, inside its cast loop; a ``both`` quantize shares one amax and
     one scale (the columnwise copy is the rowwise one transposed, bit for bit)."""
+    if recipes.get_recipe(recipe).name == "blockwise":
+        return _fused_blockwise(x, recipe, role, usage)
     if (x.dim() != 2 or recipes.is_rowwise(recipe)
             or recipes.block_shape(recipe, role) is not None):
         return ops._quantize(x, recipe, role, usage)  # the recipe as the op runs it
@@ -117,14 +135,80 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
     return out
 
 
+def _fused_blockwise(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[torch.Tensor]:
+    """A blockwise quantize written for fusion, bit-identical to ``recipes.quantize``: ``x``
+    (2-D, or a stack of matrices quantized one by one) is viewed as its blocks (zero-padded to
+    whole ones, as the recipe pads a partial block), each block's amax reduced over ``|x|``
+    upcast (exact), and each copy cast from ``x`` upcast inside its cast loop. Every block is
+    local, so an amax is one reduction over its block, no global one. A 128x128 weight's
+    columnwise copy has the rowwise copy's tiles transposed (the same amaxes, the same scales
+    transposed, the same bits transposed): one amax serves both. A 1x128 columnwise copy has
+    blocks down ``x``'s columns: its own amax, reduced over x's rows in place, with no transposed
+    copy of ``x`` written first."""
+    bm, bk = recipes.block_shape(recipe, role)
+    rec = recipes.get_recipe(recipe)
+    dtype = recipes.fp8_dtype(rec, role)
+    fmax = recipes.fp8_max(dtype)
+    *lead, m, k = x.shape
+
+    def tiles(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """(..., R, C) zero-padded to whole tiles: (..., R/rows, rows, C/cols, cols), or
+        (..., R, C/cols, cols) for one-row blocks (no dimension of size 1, which would give
+        Inductor's view of the cast data back to (R, C) a copy of its own)."""
+        r, c = t.shape[-2:]
+        rb, cb = -(-r // rows), -(-c // cols)
+        padded = torch.nn.functional.pad(t, (0, cb * cols - c, 0, rb * rows - r))
+        if rows == 1:
+            return padded.reshape(*lead, r, cb, cols)
+        return padded.reshape(*lead, rb, rows, cb, cols)
+
+    def scale_of(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        # The amax of each tile of |t| upcast (exact: abs, the upcast and max are): no value
+        # the cast loop also reads, and an fp32 accumulator (Inductor's C++ code declares one
+        # bf16 variable per output of a bf16 reduction, twice where two quantizes' identical
+        # amaxes share a kernel: a compile error).
+        a = t.abs().to(torch.float32)
+        amax = torch.where(torch.isnan(a), 0.0, a).amax(dim=dims)
+        return recipes.compute_scale_from_amax(
+            amax, fmax, power_2_scales=rec.power_2_scales, amax_epsilon=rec.amax_epsilon,
+            value_for_inf=torch.finfo(x.dtype).max)
+
+    def cast(src: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """(..., R, C) ``src`` cast by its (..., R/rows, C/cols) block scales, each broadcast
+        over its block (an index ``k // 128`` in the cast loop, no copy): the cast reads
+        ``src`` and the scales only, so a GEMM's copy of it recomputes from them."""
+        r, c = src.shape[-2:]
+        rb, cb = scale.shape[-2:]
+        each = scale[..., :, None, :, None].expand(*lead, rb, rows, cb, cols)
+        each = each.reshape(*lead, rb * rows, cb * cols)[..., :r, :c]
+        return recipes._saturating_cast(src.to(torch.float32) * each, dtype).contiguous()
+
+    out: list[torch.Tensor] = []
+    if bm > 1:  # 128x128 tiles: both copies from one amax
+        scale = scale_of(tiles(x, bm, bk), (-3, -1))  # (..., M/128, K/128)
+        for columnwise in ops._COLUMNWISE[usage]:
+            if columnwise:
+                s = scale.transpose(-2, -1)
+                out += [cast(x.transpose(-2, -1), s, bk, bm), torch.reciprocal(s).contiguous()]
+            else:
+                out += [cast(x, scale, bm, bk), torch.reciprocal(scale)]
+        return out
+    for columnwise in ops._COLUMNWISE[usage]:
+        src = x.transpose(-2, -1) if columnwise else x
+        scale = scale_of(tiles(src, 1, bk), (-1,))  # (..., R, C/128)
+        out += [cast(src, scale, 1, bk), torch.reciprocal(scale)]
+    return out
+
+
 def inline_quantizes(graph: fx.Graph) -> int:
-    """Replace every tensorwise and rowwise ``graphpass::quantize`` in ``graph`` by its recipe's ops."""
+    """Replace every inlinable ``graphpass::quantize`` in ``graph`` by its recipe's ops."""
     return _patterns().apply(graph)
 
 
 def post_grad_pass(source_hash: str, user_pass: Any) -> Any:
     """An Inductor ``post_grad_custom_pre_pass`` that inlines quantizes after ``user_pass`` (the
     one already configured, if any: a pass or a list of them, kept and run first)."""
+    _compat.guard_cpp_loop_split()  # blockwise quantizes index their scales as k // 128
     user_passes = [] if user_pass is None else (
         list(user_pass) if isinstance(user_pass, (list, tuple)) else [user_pass])
 

@@ -80,7 +80,7 @@ class ScaledMM:
     name = "scaled_mm"
 
     def supports(self, recipe: str, device: torch.device) -> str | None:
-        if recipe == blockwise_gemm.RECIPE:
+        if recipes.get_recipe(recipe).name == blockwise_gemm.RECIPE:
             return blockwise_gemm.unsupported(device)
         if not recipes.is_tensorwise(recipe) and not recipes.is_rowwise(recipe):
             return (f"torch._scaled_mm runs fp8='tensorwise', 'rowwise' or 'blockwise' here, "
@@ -93,7 +93,7 @@ class ScaledMM:
 
     def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias, *,
              fast_accum=False):
-        if recipe == blockwise_gemm.RECIPE:
+        if recipes.get_recipe(recipe).name == blockwise_gemm.RECIPE:
             return blockwise_gemm.gemm(a, a_scale_inv, b, b_scale_inv, a_role, b_role, out_dtype,
                                        bias, fast_accum=fast_accum)
         # cuBLASLt on Hopper is TN-only: mat2 must be column-major, which b.t() of a row-major

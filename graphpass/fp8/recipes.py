@@ -11,7 +11,10 @@ Recipes (``get_recipe(name)``):
   format (E4M3 inputs and weights, E5M2 gradients). ``"tensorwise_e4m3"`` is the same recipe in
   TE's ``Format.E4M3`` (E4M3 in every role; ``Config(fp8_format="e4m3")``).
 * ``"blockwise"``: TE ``Float8BlockScaling`` (DeepSeek-V3). fp32 scales per 1x128 block for
-  activations and gradients, per 128x128 tile for weights; power-of-2 scales by default.
+  activations and gradients, per 128x128 tile for weights; power-of-2 scales by default (TE's
+  default). ``"blockwise_nopow2"`` is the same with the plain ``fp8_max / amax`` scales of
+  DeepSeek-V3's recipe (TE's ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``;
+  ``Config(fp8="blockwise", fp8_pow2_scales=False)``).
 * ``"mxfp8"``: TE ``MXFP8BlockScaling``. One E8M0 (power-of-2) scale per 1x32 block.
 * ``"rowwise"``: torchao's rowwise recipe (``Float8LinearRecipeName.ROWWISE``), the one
   ``torch._scaled_mm``'s and ``torch._scaled_grouped_mm``'s rowwise kernels take: E4M3 for every
@@ -87,6 +90,7 @@ __all__ = [
     "MXFP8",
     "ROWWISE",
     "ROWWISE_POW2",
+    "BLOCKWISE_NOPOW2",
     "is_rowwise",
     "is_tensorwise",
     "fp8_max",
@@ -165,10 +169,13 @@ BLOCKWISE = Recipe("blockwise", "E4M3", power_2_scales=True)
 MXFP8 = Recipe("mxfp8", "E4M3", power_2_scales=True)
 ROWWISE = Recipe("rowwise", "E4M3", power_2_scales=False)
 ROWWISE_POW2 = Recipe("rowwise", "E4M3", power_2_scales=True)
+BLOCKWISE_NOPOW2 = Recipe("blockwise", "E4M3", power_2_scales=False)
 _DEFAULTS = {r.name: r for r in (TENSORWISE, BLOCKWISE, MXFP8, ROWWISE)}
-# Recipe names as graph ops carry them (a string argument): the rowwise variant with power-of-two
-# scales and tensorwise in TE's all-E4M3 format have their own.
-_KEYS = {**_DEFAULTS, "rowwise_pow2": ROWWISE_POW2, "tensorwise_e4m3": TENSORWISE_E4M3}
+# Recipe names as graph ops carry them (a string argument): a variant whose scales or formats are
+# not the recipe's default has its own (rowwise with power-of-two scales, blockwise without,
+# tensorwise in TE's all-E4M3 format).
+_KEYS = {**_DEFAULTS, "rowwise_pow2": ROWWISE_POW2, "blockwise_nopow2": BLOCKWISE_NOPOW2,
+         "tensorwise_e4m3": TENSORWISE_E4M3}
 
 
 def _names() -> str:
@@ -176,7 +183,8 @@ def _names() -> str:
 
 
 def get_recipe(name: str) -> Recipe:
-    """The recipe with TE's default settings for ``name`` (one of ``RECIPE_NAMES``)."""
+    """The recipe with TE's default settings for ``name`` (one of ``RECIPE_NAMES``), or the
+    variant a graph op's recipe string names (``"rowwise_pow2"``, ``"blockwise_nopow2"``)."""
     if name == "delayed":
         raise ValueError(
             "recipe 'delayed' (TE DelayedScaling) is not supported under torch.compile: its amax "
@@ -190,11 +198,18 @@ def get_recipe(name: str) -> Recipe:
     return _KEYS[name]
 
 
-def recipe_key(name: str, power_2_scales: bool = False) -> str:
-    """The recipe string the graph ops carry for ``Config(fp8=name, fp8_pow2_scales=...)``."""
-    if power_2_scales and name != "rowwise":
-        raise ValueError(f"power-of-two scales are an option of fp8='rowwise', not {name!r}")
-    return "rowwise_pow2" if power_2_scales else name
+def recipe_key(name: str, power_2_scales: bool | None = None) -> str:
+    """The recipe string the graph ops carry for ``Config(fp8=name, fp8_pow2_scales=...)``:
+    ``name`` where ``power_2_scales`` is None or the recipe's default, ``"rowwise_pow2"`` or
+    ``"blockwise_nopow2"`` where it is not. Only rowwise and blockwise take the option."""
+    if power_2_scales is None:
+        return name
+    if name not in ("rowwise", "blockwise"):
+        raise ValueError(f"power-of-two scales are an option of fp8='rowwise' and "
+                         f"fp8='blockwise', not {name!r}")
+    if power_2_scales == get_recipe(name).power_2_scales:
+        return name
+    return "rowwise_pow2" if name == "rowwise" else "blockwise_nopow2"
 
 
 def is_tensorwise(recipe: "Recipe | str") -> bool:
