@@ -59,9 +59,12 @@ class Copy:
 
 
 def offload_copies(fw: fx.GraphModule, bw: fx.GraphModule, device: Device = H100) -> list[Copy]:
-    """The copies of every tensor ``fw`` offloads, in the order the forward issues them."""
-    windows = partition_windows(fw, bw, device)
+    """The copies of every tensor ``fw`` offloads, in the order the forward issues them (none,
+    and no timing of the graphs, where nothing is offloaded)."""
     sources = [s for s in map(offloaded_source, fw.graph.nodes) if s is not None]
+    if not sources:
+        return []
+    windows = partition_windows(fw, bw, device)
     sources.sort(key=lambda s: -windows.out[s.name])
     late = windows.schedule([(s.name, _bytes(s)) for s in sources], device)
     return [Copy(s.name, module_path(s), _bytes(s), device.copy(_bytes(s)), windows.out[s.name],

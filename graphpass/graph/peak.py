@@ -299,9 +299,11 @@ def inductor_kernels(gm: fx.GraphModule) -> tuple[list[list[fx.Node]], Any]:
     return kernels, reads
 
 
-def _numel(node: fx.Node) -> int | None:
+def _numel(node: fx.Node) -> str | None:
+    """The node's element count as an expression (a symbolic size compares as its formula, with
+    no size assumed)."""
     val = node.meta.get("val")
-    return size_hint(val.numel(), where="") if isinstance(val, torch.Tensor) else None
+    return str(val.numel()) if isinstance(val, torch.Tensor) else None
 
 
 def _buffer_reads(node: fx.Node, *, buffers: set[fx.Node], memo: dict[fx.Node, list[fx.Node]]
