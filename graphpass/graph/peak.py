@@ -332,14 +332,20 @@ _ELEMENTWISE = frozenset({
 
 
 def _inductor_kind(node: fx.Node) -> str:
-    """How Inductor runs a node: ``view`` (an alias: views and a multi-output op's elements),
+    """How Inductor runs a call: ``view`` (an alias: views and a multi-output op's elements),
     ``elementwise`` (fused into its readers), ``kernel`` (its own loop nest, such as a
     reduction: its result is a buffer, its inputs fuse into it) or ``extern`` (a library or
     fallback kernel: its inputs and result are buffers)."""
-    name = op_name(node)
+    return _target_kind(node.target)
+
+
+@functools.lru_cache(maxsize=None)
+def _target_kind(target: Any) -> str:
+    """``_inductor_kind`` of every call of ``target``, once per op (the budget's search walks
+    the graphs once per partition it tries)."""
+    name = _compat.op_name(target) or getattr(target, "__name__", str(target))
     if name == "getitem" or name in VIEWS:
         return "view"
-    target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return "extern"
     lowerings, fallbacks, realized_inputs = _compat.inductor_lowering_tables()
