@@ -204,28 +204,6 @@ def test_graph_breaks_merge_peaks_with_what_earlier_graphs_hold():
 
 # --- the step's peak under Inductor's code ----------------------------------------------------------
 
-def allocator_peak(step, resident: int) -> int:
-    """The CPU allocator's peak over one step ``step()``: what it held at most beyond what was
-    live before (torch's profiler reports every allocation, Inductor's ``empty_strided_cpu``
-    buffers included, which MemTracker's dispatch mode never sees), plus ``resident``."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        event = todo.pop()
-        todo.extend(event.children)
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size,
-                           event.extra_fields.total_allocated))
-    events.sort()
-    # the allocator's running total carries what earlier profiles left: count from this step's start
-    start = events[0][2] - events[0][1]
-    return resident + max(total for _, _, total in events) - start
-
-
 @pytest.mark.parametrize("name", ["llama", "gpt"])
 def test_predicted_peak_matches_inductors_code(name):
     """Under ``codegen="inductor"`` the prediction runs the graphs as Inductor's code does
@@ -236,6 +214,8 @@ def test_predicted_peak_matches_inductors_code(name):
     per thread, inside the op, which no graph shows (fp32 here for the same reason: the CPU's
     bf16 GEMM allocates a converted copy of its operands). Gradients land in ``.grad`` left
     unset, so the backward's outputs become them, as the prediction counts."""
+    from benchmarks.peak_inductor import allocator_peak
+
     torch.manual_seed(0)
     model, (x,) = {"llama": llama, "gpt": gpt}[name].build("tiny", seq=512)
     backend = graphpass.backend(codegen="inductor")

@@ -57,8 +57,11 @@ class _Storage:
 
 
 def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
-              parameter_names: set[str], runtime: str = "inductor") -> dict[str, Any]:
-    """The step's predicted peak on the compute device (``report.peak.peak_dict``)."""
+              parameter_names: set[str], runtime: str = "inductor",
+              fused: bool | None = None) -> dict[str, Any]:
+    """The step's predicted peak on the compute device (``report.peak.peak_dict``). ``fused``
+    (default: under ``runtime="inductor"``) runs the graphs as Inductor's code does
+    (``inductor_kernels``); ``False`` reads them node by node."""
     storages: dict[int, _Storage] = {}
     alias: dict[int, int] = {}  # a backward input's storage -> the forward's storage it is
 
@@ -94,7 +97,7 @@ def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
     fw_output = fw.graph.find_nodes(op="output")[0]
     outputs = list(fw_output.args[0])
     returned = {s for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node) for s in sids(n)}
-    fused = runtime == "inductor"
+    fused = runtime == "inductor" if fused is None else fused
     fw_best = _walk(fw, storages, live, allocate, sids, device, frees=lambda s: s not in resident,
                     kind="transient", fused=fused)
     for sid in live - resident:
