@@ -91,7 +91,7 @@ def _patterns() -> Any:
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
-        match.replace_by_example(lambda x: fused_quantize(x, recipe, role, usage), [x])
+        match.replace_by_example(lambda x: fused_quantize(_stored(x), recipe, role, usage), [x])
 
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
@@ -116,16 +116,27 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
     read: a whole fp32 temporary (measured on the CPU: fp32 buffers of the SwiGLU output and of
     a columnwise input's transpose in the tiny Llama's step). Here the amax reduces ``x`` in its
     own dtype (abs and max are exact, so the fp32 of that max is the fp32 amax), and each copy
-    casts ``x`` to fp32 on its own, inside its cast loop; a ``both`` quantize shares one amax and
-    one scale (the columnwise copy is the rowwise one transposed, bit for bit)."""
+    casts ``x`` to fp32 on its own, inside its cast loop; a tensorwise ``both`` quantize shares
+    one amax and one scale (the columnwise copy is the rowwise one transposed, bit for bit),
+    rowwise (2-D, or a stack of expert matrices) has one amax per row of each copy. The scales
+    are a buffer of their own (``_stored``)."""
     if recipes.get_recipe(recipe).name == "blockwise":
         return _fused_blockwise(x, recipe, role, usage)
-    if (x.dim() != 2 or recipes.is_rowwise(recipe)
-            or recipes.block_shape(recipe, role) is not None):
+    if recipes.is_rowwise(recipe) and x.dim() in (2, 3):
+        out = []
+        for columnwise in ops._COLUMNWISE[usage]:
+            src = x.transpose(-2, -1) if columnwise else x
+            amax = (recipes._abs_amax(src, (-1,))[..., None] if src.shape[-1] else
+                    src.new_zeros((*src.shape[:-1], 1))).to(torch.float32)
+            scale = _stored(recipes.tensorwise_scale(amax, recipe, role))  # elementwise
+            out += [recipes.scaled_cast(src.to(torch.float32), scale, recipe, role).contiguous(),
+                    torch.reciprocal(scale)]
+        return out
+    if x.dim() != 2 or recipes.block_shape(recipe, role) is not None:
         return ops._quantize(x, recipe, role, usage)  # the recipe as the op runs it
     amax = recipes._abs_amax(x, (0, 1)).to(torch.float32) if recipes._maybe_nonempty(x) else (
         x.new_zeros((), dtype=torch.float32))
-    scale = recipes.tensorwise_scale(amax, recipe, role)
+    scale = _stored(recipes.tensorwise_scale(amax, recipe, role))
     scale_inv = torch.reciprocal(scale)
     out: list[torch.Tensor] = []
     for columnwise in ops._COLUMNWISE[usage]:
@@ -169,9 +180,9 @@ def _fused_blockwise(x: torch.Tensor, recipe: str, role: str, usage: str) -> lis
         # amaxes share a kernel: a compile error).
         a = t.abs().to(torch.float32)
         amax = torch.where(torch.isnan(a), 0.0, a).amax(dim=dims)
-        return recipes.compute_scale_from_amax(
+        return _stored(recipes.compute_scale_from_amax(
             amax, fmax, power_2_scales=rec.power_2_scales, amax_epsilon=rec.amax_epsilon,
-            value_for_inf=torch.finfo(x.dtype).max)
+            value_for_inf=torch.finfo(x.dtype).max))
 
     def cast(src: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """(..., R, C) ``src`` cast by its (..., R/rows, C/cols) block scales, each broadcast
@@ -198,6 +209,23 @@ def _fused_blockwise(x: torch.Tensor, recipe: str, role: str, usage: str) -> lis
         scale = scale_of(tiles(src, 1, bk), (-1,))  # (..., R, C/128)
         out += [cast(src, scale, 1, bk), torch.reciprocal(scale)]
     return out
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a buffer of its own: an ``as_strided`` view of itself, which Inductor lowers by
+    realizing ``t`` (it needs a storage to view; a contiguous ``t`` only, the layout Inductor
+    gives a value it realizes). For a quantize's input and its scales:
+
+    * the input: the amax and each cast read it in loops of their own (a columnwise copy in
+      another order), and Inductor computes an unrealized elementwise producer (a SwiGLU
+      gradient, a norm's output) inside every loop that reads it, or realizes what two loops
+      share: ``|x|`` upcast, a whole fp32 temporary (measured on the CPU's code of the tiny Llama
+      step). Stored, the input is the bf16 tensor the opaque op read, each loop reads it once;
+    * the scales (1/128 of the data or less): computed from the amaxes in about 20 elementwise
+      ops, which every cast loop would otherwise recompute per element, past Inductor's limit
+      for inlining (100 ops), where it cuts the loop in two at a whole fp32 temporary of the
+      scaled values."""
+    return t.as_strided(t.shape, t.stride()) if t.is_contiguous() else t
 
 
 def inline_quantizes(graph: fx.Graph) -> int:
