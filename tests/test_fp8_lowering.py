@@ -465,19 +465,22 @@ def test_fused_quantize_is_within_one_fp8_ulp_of_the_op(recipe, role, emulate):
         "bfloat16"] + [str(recipes.fp8_dtype(recipe, role)).removeprefix("torch.")] * 2, whole
 
 
-@pytest.mark.parametrize("recipe,role", [("tensorwise", "grad"), ("rowwise", "grad"),
-                                         ("blockwise", "input")])
+@pytest.mark.parametrize("recipe,role,grouped", [
+    ("tensorwise", "grad", False), ("rowwise", "grad", False), ("blockwise", "input", False),
+    ("rowwise", "grad", True)])  # token groups: an expert GEMM's operands
 @pytest.mark.skipif(not _compat.inductor_rounds_fused_casts(device_types=["cpu"]),
                     reason="this torch's Inductor CPU code does not round fused bf16 values as "
                     "eager does, so graphpass keeps every quantize one op on the CPU (fusion_notes)")
-def test_a_fused_quantize_of_a_long_elementwise_chain_keeps_no_fp32_copy(recipe, role):
+def test_a_fused_quantize_of_a_long_elementwise_chain_keeps_no_fp32_copy(recipe, role, grouped):
     """A quantize's input computed by a longer elementwise chain (four bf16 multiply-adds, as
     long as a SwiGLU gradient's) and quantized rowwise and columnwise: Inductor would compute
     the chain inside every amax and cast loop, and realize what two of them share or what grows
     past its limit for inlining, as whole fp32 temporaries (measured before the input and the
     scales were stored: one for tensorwise, two (256, 512) and two (512, 256) for rowwise, four
-    for blockwise). The fused code holds the bf16 input, as the opaque op read it, and the two
-    FP8 copies, bit-identical to the op's."""
+    for blockwise, three over token groups). The fused code holds the bf16 input, as the opaque
+    op read it, and the two FP8 copies, bit-identical to the op's; over token groups (groups of
+    100, 0, 233 and 179 tokens), also ``|x|`` in bf16, which the scatter of the (group, column)
+    amaxes reads."""
     import re
 
     from torch._inductor import config as inductor_config
@@ -493,23 +496,24 @@ def test_a_fused_quantize_of_a_long_elementwise_chain_keeps_no_fp32_copy(recipe,
         return x
 
     torch.manual_seed(0)
-    a, b, c = (torch.randn(256, 512, dtype=torch.bfloat16) for _ in range(3))
+    a, b, c = (torch.randn(512, 256, dtype=torch.bfloat16) for _ in range(3))
+    groups = [torch.tensor([100, 100, 333, 512])] if grouped else []
     torch._dynamo.reset()
     with inductor_config.patch(post_grad_custom_pre_pass=post_grad_pass("test", None),
                                emulate_precision_casts=True, fx_graph_cache=False):
         fused, code = run_and_get_code(torch.compile(
-            lambda a, b, c: ops.quantize(chain(a, b, c), recipe, role, "both"),
-            backend="inductor"), a, b, c)
-    opaque = ops.quantize(chain(a, b, c), recipe, role, "both")
+            lambda a, b, c, *offs: ops.quantize(chain(a, b, c), recipe, role, "both", *offs),
+            backend="inductor"), a, b, c, *groups)
+    opaque = ops.quantize(chain(a, b, c), recipe, role, "both", *groups)
     for f, o in zip(fused, opaque):
         assert torch.equal(f.view(torch.uint8) if f.element_size() == 1 else f,
                            o.view(torch.uint8) if o.element_size() == 1 else o)
     code = "\n".join(code)
-    assert "graphpass.quantize" not in code
+    assert "torch.ops.graphpass.quantize.default(" not in code  # inlined, not called
     buffers = re.findall(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code)
     whole = sorted(d for shape, d in buffers if _numel(shape) >= 256 * 512)
-    assert whole == ["bfloat16"] + [str(recipes.fp8_dtype(recipe, role)).removeprefix(
-        "torch.")] * 2, whole
+    assert whole == ["bfloat16"] * (1 + grouped) + [
+        str(recipes.fp8_dtype(recipe, role)).removeprefix("torch.")] * 2, whole
 
 
 def _numel(shape: str) -> int:

@@ -190,10 +190,11 @@ def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) ->
     groups = offs.shape[0]
     x32 = x.to(torch.float32)
     group = _group_of_rows(offs, t)
-    a = x32.abs()
+    # |x| and its max in x's own dtype (exact): no fp32 copy of x for the scatter to read
+    a = x.abs()
     a = torch.where(torch.isnan(a), 0.0, a)
-    amax = x32.new_zeros((groups + 1, k)).scatter_reduce(0, group[:, None].expand(t, k), a,
-                                                         "amax")[:groups]
+    amax = x.new_zeros((groups + 1, k)).scatter_reduce(0, group[:, None].expand(t, k), a,
+                                                       "amax")[:groups].to(torch.float32)
     scale = recipes.compute_scale_from_amax(
         amax, recipes.fp8_max(recipes.fp8_dtype(recipe, role)),
         power_2_scales=recipes.get_recipe(recipe).power_2_scales,
