@@ -119,6 +119,13 @@ class Config:
     """Module-path patterns of linears that always save their original input, whatever
     ``save_original`` says for the others (Megatron's per-module ``save_original_input``)."""
 
+    fp8_weight_once: bool = False
+    """Quantize each lowered weight once per step: its fprop and dgrad FP8 copies from one read
+    of the weight in the forward, dgrad's copy saved for the backward (1 byte per weight element
+    plus its scales, held until the backward reads it: Transformer Engine's default). Off, the
+    backward re-quantizes dgrad's copy from the resident parameter: no memory, one more read of
+    the weight. A memory decision: gradients are bit-identical either way."""
+
     recompute: tuple[RecomputeModule, ...] = ()
     """Output-discarding recompute, in Megatron's words: ``layernorm``, ``act``, ``moe_act``,
     ``core_attn``, ``mlp``, ``moe``, ``shared_experts``, ``mla_up_proj``, or ``full`` layers."""
@@ -234,6 +241,7 @@ class Config:
         if self.fp8_pow2_scales is not None:
             _type("fp8_pow2_scales", self.fp8_pow2_scales, bool)
         _type("fp8_all_gather", self.fp8_all_gather, bool)
+        _type("fp8_weight_once", self.fp8_weight_once, bool)
         for name in ("fp8_exclude", "save_original_modules", "recompute", "recompute_include",
                      "offload_exclude"):
             _patterns(self, name)
@@ -342,6 +350,7 @@ def _combinations(config: Config) -> None:
         ("offload_hidden_only", config.offload, "offload=True"),
         ("offload_exclude", config.offload, "offload=True"),
         ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("fp8_weight_once", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_accumulate", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_cost_model", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),

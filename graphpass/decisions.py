@@ -34,6 +34,7 @@ class What(enum.Enum):
     FP8_ALL_GATHER = "fp8 all-gather: {module}: {why}"
     NOT_FP8_ALL_GATHER = "fp8 all-gather: not for {module}: {why}"
     REQUANTIZED = "save original: {module} re-quantizes its saved input in the backward"
+    WEIGHT_ONCE = "fp8_weight_once: {module}: {why}"
     # quantize before dispatch: the routed experts' input re-gathered in the backward
     REGATHERED = "dispatch: {module}: {why}"
     NOT_REGATHERED = "dispatch: {module}: not re-gathered: {why}"

@@ -116,13 +116,17 @@ def test_memory_passes_on_fp8_experts_are_bit_identical(recipe):
 
     base, report = _compiled_grads(deepseek, dict(fp8=recipe, **UNOPTIMISED), seq=128, layers=1)
     assert f"lowered: layers.0.mlp.experts (reference/{recipe})" in report.notes
-    for policy in [*POLICIES, dict(offload=True, offload_min_bytes=0)]:
+    for policy in [*POLICIES, dict(offload=True, offload_min_bytes=0),
+                   dict(fp8_weight_once=True)]:
         grads, report = _compiled_grads(deepseek, dict(fp8=recipe, **policy), seq=128, layers=1)
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
         if policy.get("save_original") == "always":
             assert "save original: layers.0.mlp.experts re-quantizes its saved input in the backward" in report.notes
         if "moe_act" in policy.get("recompute", ()):
             assert "recomputed: moe_act in backward: layers.0.mlp.experts" in report.notes
+        if policy.get("fp8_weight_once"):
+            assert any(n.startswith("fp8_weight_once: layers.0.mlp.experts: the weight's two FP8 "
+                                    "copies") for n in report.notes), report.notes
 
 
 # --- experts over token groups: torch._grouped_mm / F.grouped_mm with offsets (transformers 5.x,
@@ -394,7 +398,8 @@ def test_memory_passes_on_token_grouped_experts_are_bit_identical(recipe):
     router = 3 * 2 * 128 * 256 * E  # the router stays high precision (default fp8_exclude)
     assert report.meta["fp8_coverage"]["high_precision_flops"] == {"excluded by pattern '*.router'": router}
     assert f"lowered: mlp.experts (reference/{recipe})" in report.notes
-    for policy in [*POLICIES, dict(offload=True, offload_min_bytes=0)]:
+    for policy in [*POLICIES, dict(offload=True, offload_min_bytes=0),
+                   dict(fp8_weight_once=True)]:
         grads, report = _compiled_grads(module, dict(**_fp8(recipe), **policy))
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
         if policy.get("save_original") == "always":

@@ -195,6 +195,33 @@ def test_each_forward_tensor_is_quantized_once():
         ("q_proj", (256, 64)), ("o_proj", (256, 64)), ("gate_proj", (256, 64)), ("down_proj", (512, 64))])
 
 
+def test_fp8_weight_once_saves_each_weights_dgrad_copy():
+    """``fp8_weight_once``: each weight's two copies come from one forward quantize, and dgrad's
+    (W.T, K x N, 1 byte per element, plus its fp32 tensorwise scale) is saved. Worked out by hand
+    for the tiny Llama layer's seven linears (q 256x256, k and v 128x256, o 256x256, gate and
+    up 512x256, down 256x512): 589,824 bytes of FP8 data and 7 scales of 4 bytes more than the
+    default, which re-quantizes dgrad's copy from the resident weight in the backward. A note per
+    weight says so."""
+    model, inputs = llama.build("tiny", layers=1)
+    options = dict(fp8="tensorwise", save_original="never", memory="default")
+    default = graphpass.plan(model, *inputs, config=graphpass.Config(**options))
+    once = graphpass.plan(model, *inputs, config=graphpass.Config(**options, fp8_weight_once=True))
+    weights = {"q_proj": (256, 256), "k_proj": (256, 128), "v_proj": (256, 128),
+               "o_proj": (256, 256), "gate_proj": (256, 512), "up_proj": (256, 512),
+               "down_proj": (512, 256)}
+
+    def fp8_rows(report):
+        return sorted((r.module.rsplit(".", 1)[-1], r.shape) for r in report.rows
+                      if r.kind == "fp8_data")
+
+    assert fp8_rows(once) == sorted(fp8_rows(default) + list(weights.items()))
+    assert once.activation_bytes - default.activation_bytes == 589_824 + 7 * 4
+    for name, (k, n) in weights.items():
+        module = ("layers.0.self_attn." if name[0] in "qkvo" else "layers.0.mlp.") + name
+        assert (f"fp8_weight_once: {module}: the weight's two FP8 copies quantized in the "
+                f"forward, from one read; dgrad's copy saved ({k * n + 4:,} B)") in once.notes
+
+
 def test_delayed_scaling_is_refused_with_alternatives():
     with pytest.raises(ValueError, match="DelayedScaling.*'tensorwise'.*'blockwise'.*'mxfp8'"):
         graphpass.backend(fp8="delayed")

@@ -11,8 +11,11 @@ re-quantized bits identical to the forward's, so this choice never changes numer
 * ``never``: quantize both usages in one forward op whose outputs cannot be recomputed, so the
   FP8 copy is saved (Transformer Engine's default).
 
-This is about linear *inputs*, as TE's flag is. A weight's columnwise copy is always left to the
-min-cut: the weight is resident anyway, so re-quantizing it in the backward costs no memory.
+This is about linear *inputs*, as TE's flag is. A weight's second copy (dgrad's) is left to the
+min-cut, which re-quantizes it in the backward: the weight is resident anyway, so that costs no
+memory, only one more read of the weight. ``fp8_weight_once`` quantizes both of a weight's
+copies in one forward op instead and saves dgrad's (as TE does): one read of the weight per
+step, for 1 byte per weight element held until the backward.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import _compat
 from ..config import Config
-from ..decisions import FACTS, Plan, facts
+from ..decisions import FACTS, Decision, Plan, What, facts
 from ..fp8.ops import QUANTIZE
 from ..graph.nodes import is_backward, module_path, op_name
 
@@ -37,10 +40,13 @@ def save_original(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         return
     rowwise: dict[tuple[fx.Node, str], fx.Node] = {}
     columnwise: list[fx.Node] = []
+    weights: dict[fx.Node, dict[str, fx.Node]] = {}  # a weight's forward quantizes, by usage
     for node in joint.graph.nodes:
         if op_name(node) != "graphpass.quantize" or is_backward(node):
             continue
         x, _, role, usage = node.args[:4]
+        if role == "weight":
+            weights.setdefault(x, {})[usage] = node
         if role != "input":
             continue
         if usage == "rowwise":
@@ -57,8 +63,34 @@ def save_original(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 _compat.set_partition_side(node, "must_be_in_backward")
         elif policy == "never" and (x, role, _offs(col)) in rowwise:
             _merge(joint.graph, rowwise[(x, role, _offs(col))], col)
+    if config.fp8_weight_once:
+        for w, by_usage in weights.items():
+            _weight_once(joint.graph, plan, w, by_usage)
     joint.graph.lint()
     joint.recompile()
+
+
+def _weight_once(graph: fx.Graph, plan: Plan, w: fx.Node, by_usage: dict[str, fx.Node]) -> None:
+    """Both of ``w``'s copies from one forward quantize, saved for the backward; a note either
+    way (a weight no dgrad reads, such as a frozen layer's input projection, has one copy)."""
+    row, col = by_usage.get("rowwise"), by_usage.get("columnwise")
+    module = module_path(row or col)
+    if row is None or col is None:
+        plan.decide(Decision(What.WEIGHT_ONCE, "fp8_weight_once", "the weight has one FP8 copy "
+                             "(no dgrad reads it): nothing to save", module, w.name))
+        return
+    # the copy the backward reads: dgrad's (the columnwise one, the rowwise one for a weight
+    # stored [in, out])
+    backward = col if any(is_backward(u) for g in col.users for u in g.users) else row
+    nbytes = sum(_nbytes(v) for v in backward.meta["val"])
+    _merge(graph, row, col)
+    plan.decide(Decision(What.WEIGHT_ONCE, "fp8_weight_once",
+                         "the weight's two FP8 copies quantized in the forward, from one read; "
+                         f"dgrad's copy saved ({nbytes:,} B)", module, w.name))
+
+
+def _nbytes(val: torch.Tensor) -> int:
+    return val.numel() * val.element_size()
 
 
 def _offs(quantize: fx.Node) -> fx.Node | None:
