@@ -157,6 +157,29 @@ def test_budget_below_the_unbudgeted_peak_is_met(name):
     assert budget_notes and f"within {format_bytes(budget)}" in str(budget_notes[-1])
 
 
+def test_a_budget_the_greedy_search_stalls_on_is_met_by_pruning_the_all_in_plan():
+    """On the tiny Llama (two layers), a budget 10% of the way from the smallest reachable peak
+    (9,970,944 B) to the unbudgeted one (11,613,440 B): no single recompute lowers the peak
+    there, so the greedy search stalls, and the plan starts from every op recomputed, then gives
+    back the costliest choices while the peak fits. The peak is met, above the all-in plan's
+    (some choices given back), with fewer choices than all of them."""
+    torch.manual_seed(0)
+    model, (x,) = llama.build("tiny")
+    budget = 9_970_944 + (11_613_440 - 9_970_944) // 10
+    report = graphpass.plan(model, x, config=graphpass.Config(codegen="eager",
+                                                              memory_budget=budget))
+    assert 9_970_944 < report.meta["step_peak"]["bytes"] <= budget
+    notes = [str(d) for d in report.decisions if d.what is What.BUDGETED]
+    (pruned,) = [n for n in notes if n.startswith("memory_budget: no single change lowered")]
+    match = re.search(r"recomputed \((\d+)\) .*?, (\d+) choice\(s\) kept, adding about ([\d.]+) "
+                      r"(\w+) by the roofline against ([\d.]+) (\w+) for all", pruned)
+    assert match, pruned
+    total, kept = int(match.group(1)), int(match.group(2))
+    assert 0 < kept < total
+    assert match.group(4) == match.group(6) and float(match.group(3)) < float(match.group(5))
+    assert len([n for n in notes if n.endswith("): kept")]) == kept
+
+
 def test_budget_below_the_smallest_peak_is_one_value_error():
     torch.manual_seed(0)
     model, (x,) = llama.build("tiny")

@@ -24,7 +24,10 @@ weighed there.
 Before the greedy search, the smallest peak the budget can reach is computed once (everything
 recomputable recomputed, everything eligible offloaded); a budget below it raises one ValueError
 naming that peak and what holds it. When the greedy search stalls above the budget (a recompute
-that lowers the peak alone may not), that all-in plan is used.
+that lowers the peak alone may not), it starts from that all-in plan and prunes it: the choices,
+the costliest first, are given back in groups, halved where a group's return breaks the budget,
+so that only the choices the budget needs stay (within ``MAX_PRUNE`` partitions; the decision
+says how many choices were kept and how many partitions it took, or that it stopped early).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ..config import Config
 from ..decisions import Decision, Plan, What
 from ..graph.flops import node_flops
 from ..graph.offload_copies import Windows, format_seconds
-from ..graph.nodes import is_random, module_path, op_name, producer
+from ..graph.nodes import is_backward, is_random, module_path, op_name, producer
 from ..graph.regions import forward_calls
 from ..graph.roofline import H100
 from ..report import format_bytes
@@ -51,6 +54,10 @@ from .tags import user_policy
 MAX_BATCH = 4
 """Choices tried together at most: more reach a far budget in fewer partitions, but a large
 batch that fails (one bad recompute in it) rules all of them out."""
+
+MAX_PRUNE = 48
+"""Partitions the pruning of the all-in plan may take: enough to give back the costly choices of
+a tiny example's ~100 (it needs a few per choice it keeps), bounded for real-size graphs."""
 
 H100_MEMORY = 80 * 2**30
 """The device memory a fractional budget is a share of when no CUDA device is present."""
@@ -155,15 +162,105 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         if everything["bytes"] > budget:
             _restore(joint, saved_tags, offloadable, plan)
             raise ValueError(_unmet(config.memory_budget, budget, of_what, smallest))
-        peak = everything
+        peak, kept, seconds, partitions, done = _prune(
+            joint, plan, recomputable, offloadable, saved_tags, budget, everything, overlap)
         chosen = [Decision(What.BUDGETED, "memory_budget", (
-            f"every recomputable op recomputed ({len(recomputable)}) and every eligible tensor "
-            f"offloaded ({len(offloadable)}): no smaller change fits"))]
+            f"no single change lowered the peak further: from every recomputable op recomputed "
+            f"({len(recomputable)}) and every eligible tensor offloaded ({len(offloadable)}), "
+            f"{len(kept)} choice(s) kept, adding about {format_seconds(seconds[0])} by the "
+            f"roofline against {format_seconds(seconds[1])} for all, the others given back, in "
+            f"{partitions} partition(s)"
+            + ("" if done else f" (stopped at the limit of {MAX_PRUNE}; the rest kept)")))]
+        chosen += [Decision(What.BUDGETED, "memory_budget", (
+            f"{action} {node.name} ({op_name(node)}, {format_bytes(_bytes(node))}): kept"),
+            module_path(node), node.name) for action, node in kept]
     for decision in chosen:
         plan.decide(decision)
     plan.decide(Decision(What.BUDGETED, "memory_budget", (
         f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(peak['bytes'])} within "
         f"{format_bytes(budget)}{of_what}; {len(chosen)} choice(s), roofline of an H100")))
+
+
+def _prune(joint: fx.GraphModule, plan: Plan, recomputable: list[fx.Node],
+           offloadable: list[fx.Node], tags: dict[fx.Node, Any], budget: int,
+           peak: dict[str, Any], overlap: bool):
+    """From the all-in plan (applied, its ``peak`` within ``budget``), give back the choices the
+    budget does not need, the costliest first (a recompute by its roofline time, an offload by
+    its copies, nothing where they may hide): the longest run of the costliest that can be given
+    back together while the peak fits (a binary search over its length), then past the choice
+    that ends it (which stays), again. Returns the final peak, the choices kept
+    (action, node), their roofline time and that of every choice the backward would see, the
+    partitions taken and whether the search finished."""
+    # what the backward reads under the all-in plan: forward values it reads, and the inputs of
+    # those it recomputes; a choice outside it changes nothing and is given back at once
+    needed = {n for n in joint.graph.nodes if any(is_backward(u) for u in n.users)
+              and not is_backward(n)}
+    todo_nodes = list(needed)
+    while todo_nodes:
+        node = todo_nodes.pop()
+        if node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+            for i in node.all_input_nodes:
+                if i not in needed:
+                    needed.add(i)
+                    todo_nodes.append(i)
+    choices = [(H100.compute(node_flops(n), _bytes(n) + sum(_bytes(i) for i in n.all_input_nodes),
+                             _dtype(n)), "recompute", n) for n in recomputable if n in needed]
+    choices += [(0.0 if overlap else 2 * H100.copy(_bytes(n)), "offload", n) for n in offloadable
+                if n in needed]
+    choices.sort(key=lambda c: (-c[0], c[1], c[2].name))
+    given_back: set[tuple[str, fx.Node]] = {
+        *(("recompute", n) for n in recomputable if n not in needed),
+        *(("offload", n) for n in offloadable if n not in needed)}
+    partitions = 0
+
+    def give_back(group: list[tuple[str, fx.Node]], on: bool) -> None:
+        for action, node in group:
+            if action == "recompute":
+                if on:
+                    _set_policy(node, tags.get(node))
+                else:
+                    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            elif on:
+                node.meta.pop("should_offload", None)
+            else:
+                _compat.mark_for_offload(node)
+        plan.budget_offloads = any(n.meta.get("should_offload") for n in offloadable)
+
+    give_back(sorted(given_back, key=lambda c: c[1].name), True)
+    cost = {(a, n): c for c, a, n in choices}
+    remaining = [(a, n) for _, a, n in choices]
+    kept: list[tuple[str, fx.Node]] = []
+    while remaining and partitions < MAX_PRUNE:
+        # the longest run of the costliest choices that can be given back together
+        lo, hi, fits = 0, len(remaining), peak
+        while lo < hi and partitions < MAX_PRUNE:
+            mid = (lo + hi + 1) // 2
+            give_back(remaining[:mid], True)
+            new_peak, _, _ = plan.predict_peak(joint)
+            partitions += 1
+            give_back(remaining[:mid], False)
+            if new_peak["bytes"] <= budget:
+                lo, fits = mid, new_peak
+            else:
+                hi = mid - 1
+        give_back(remaining[:lo], True)  # fits: verified by its own partition
+        given_back.update(remaining[:lo])
+        peak = fits
+        if lo < hi:  # out of partitions: what is not decided stays
+            remaining = remaining[lo:]
+            break
+        kept += remaining[lo:lo + 1]  # the choice the budget needs
+        remaining = remaining[lo + 1:]
+    kept += remaining
+    seconds = (sum(cost[c] for c in kept), sum(cost.values()))
+    return peak, kept, seconds, partitions, not remaining
+
+
+def _set_policy(node: fx.Node, policy: Any) -> None:
+    if policy is None:
+        node.meta.pop("recompute", None)
+    else:
+        node.meta["recompute"] = policy
 
 
 def _lifetime(name: str, windows: Windows) -> float:
