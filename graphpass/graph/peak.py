@@ -32,8 +32,10 @@ for a later allocation of its dtype and size where Inductor's wrapper keeps it (
 bounded by Inductor's own peak estimate, which this walk reproduces). And the CPU attention
 backward's copy of an output gradient in (batch, heads, sequence, dim) order is counted while
 it runs. With these the DeepSeek example (5.9% under before) is 262,404 B under the allocator's
-peak, 0.9% at one layer and 0.5% at two: that kernel's per-thread buffers, inside the op
-(262,400 B on one thread), which no graph shows (docs/memory.md, "Under Inductor").
+peak, 0.9% at one layer and 0.5% at two (torch 2.13 and 2.15): that kernel's per-thread buffers,
+inside the op (262,400 B on one thread), which no graph shows (docs/memory.md, "Under
+Inductor"). The reuse pool follows 2.13's estimate; 2.11's is lower, and there the one-layer
+example is 2.6% over (DEVELOPERS.md).
 
 torch's ``_inductor.fx_passes.memory_estimator.get_peak_memory`` estimates the same kind of
 forward/backward profile but counts accelerator storages only (nothing on a CPU run) and its
