@@ -10,7 +10,8 @@ buffers Inductor's code allocates with ``empty_strided_cpu`` included (MemTracke
 does not). One thread: the CPU attention and bf16 GEMM kernels allocate per-thread scratch
 inside the op, which no graph shows. ``.grad`` is left unset, so the gradients the backward
 returns become it, as the prediction counts. tests/test_peak.py asserts the Llama and GPT rows
-at two layers within 0.1% (docs/memory.md, "Under Inductor").
+at two layers within 0.1%, the DeepSeek one within 1% (the CPU attention backward's per-thread
+buffers, inside the op; docs/memory.md, "Under Inductor").
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from graphpass.graph.peak import step_peak  # noqa: E402
 # (example, layers, seq, dtype)
 CASES = [("llama", 1, 2048, torch.float32), ("llama", 1, 2048, torch.bfloat16),
          ("llama", 2, 512, torch.float32), ("gpt", 1, 2048, torch.float32),
-         ("gpt", 2, 512, torch.float32), ("deepseek", 1, 512, torch.float32)]
+         ("gpt", 2, 512, torch.float32), ("deepseek", 1, 512, torch.float32),
+         ("deepseek", 2, 512, torch.float32)]
 
 
 def allocator_peak(step, resident: int) -> int:

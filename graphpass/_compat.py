@@ -655,6 +655,14 @@ def inductor_lowering_tables() -> tuple[Any, frozenset[Any], frozenset[Any]]:
             frozenset(lowering.needs_realized_inputs))
 
 
+# The ops that make Inductor realize an elementwise value read more than once, on a CPU
+# (``StorageBox.should_realize_on_reuse``'s ``heavy_ops``): 2.13 and 2.15 list these seven, 2.11
+# only exp and sigmoid (2.12 not checked).
+INDUCTOR_REALIZE_HEAVY_OPS = frozenset(
+    ("aten.exp", "aten.sigmoid") if TORCH_VERSION < (2, 13) else
+    ("aten.exp", "aten.log", "aten.log10", "aten.log1p", "aten.log2", "aten.sigmoid", "aten.tanh"))
+
+
 def register_backend(name: str, compiler_fn: Callable[..., Any]) -> None:
     """Register a torch.compile backend name, unless it is registered already. Not through
     ``torch._dynamo.list_backends``: that imports every backend module torch has, a second or so

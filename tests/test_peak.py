@@ -227,20 +227,23 @@ def test_graph_breaks_merge_peaks_with_what_earlier_graphs_hold():
 
 # --- the step's peak under Inductor's code ----------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["llama", "gpt"])
+@pytest.mark.parametrize("name", ["llama", "gpt", "deepseek"])
 def test_predicted_peak_matches_inductors_code(name):
     """Under ``codegen="inductor"`` the prediction runs the graphs as Inductor's code does
-    (fused elementwise nodes, kernels sharing reads, results written into dying inputs): on the
-    CPU it meets the allocator's peak of the compiled step within 0.1% (measured: 1,028 B under
-    on the Llama example, 4 B on GPT). Read as-is, the same graphs predicted 5.9% (Llama) and
-    27.2% (GPT) above. One thread: the CPU attention and bf16 GEMM kernels allocate scratch
-    per thread, inside the op, which no graph shows (fp32 here for the same reason: the CPU's
-    bf16 GEMM allocates a converted copy of its operands). Gradients land in ``.grad`` left
-    unset, so the backward's outputs become them, as the prediction counts."""
+    (fused elementwise nodes, kernels sharing reads, results written into dying inputs, kernels
+    in the scheduler's order, freed buffers kept for reuse): on the CPU it meets the allocator's
+    peak of the compiled step within 0.1% (measured: 1,028 B under on the Llama example, 4 B on
+    GPT). Read as-is, the same graphs predicted 5.9% (Llama) and 27.2% (GPT) above. DeepSeek's
+    peak is inside the CPU attention backward, whose per-thread buffers (262,400 B on one
+    thread) no graph shows: measured 262,404 B under (0.47%), so within 1% there. One thread:
+    the CPU attention and bf16 GEMM kernels allocate scratch per thread, inside the op (fp32
+    here for the same reason: the CPU's bf16 GEMM allocates a converted copy of its operands).
+    Gradients land in ``.grad`` left unset, so the backward's outputs become them, as the
+    prediction counts."""
     from benchmarks.peak_inductor import allocator_peak
 
     torch.manual_seed(0)
-    model, (x,) = {"llama": llama, "gpt": gpt}[name].build("tiny", seq=512)
+    model, (x,) = {"llama": llama, "gpt": gpt, "deepseek": deepseek}[name].build("tiny", seq=512)
     backend = graphpass.backend(codegen="inductor")
     step = torch.compile(lambda x: model(x).sum(), backend=backend)
     threads = torch.get_num_threads()
@@ -257,7 +260,8 @@ def test_predicted_peak_matches_inductors_code(name):
     predicted = backend.report().meta["step_peak"]
 
     assert predicted["runtime"] == "inductor"
-    assert abs(predicted["bytes"] - measured) <= 0.001 * measured, (predicted["bytes"], measured)
+    within = 0.01 if name == "deepseek" else 0.001
+    assert abs(predicted["bytes"] - measured) <= within * measured, (predicted["bytes"], measured)
 
 
 def test_inductor_buffers_of_a_bf16_norm_and_linear():
@@ -283,3 +287,52 @@ def test_inductor_buffers_of_a_bf16_norm_and_linear():
     assert held == {"x_1", "w_1", "proj_1", "mean", "mul_1", "mm"}, (held, ops)
     kernels, _ = inductor_kernels(gm)
     assert [[n.name for n in k] for k in kernels] == [["mean"], ["mul_1"], ["mm"]]
+
+
+def test_inductor_kernels_of_two_weight_gradient_reductions():
+    """Worked out by hand: two reductions of the same sizes reading the same input are one
+    kernel (Inductor's horizontal fusion), which runs where the first stood, after what the
+    second reads (a GEMM whose sum with ``b`` is one ``addmm``: the sum is the GEMM's result, the
+    GEMM alone no buffer); the GEMM between them that they do not need runs after them, as
+    Inductor's scheduler orders a fused node (``topological_sort_schedule``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphpass.graph.peak import inductor_buffers, inductor_kernels
+
+    def f(x, a, w1, w2, b):
+        s1 = (x * a).sum(0)
+        h = torch.mm(x, w1) + b
+        g = torch.mm(a, w2)
+        s2 = (x * h).sum(0)
+        return s1, g, s2
+
+    gm = make_fx(f)(torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 16),
+                    torch.randn(16, 4), torch.randn(8, 16))
+    ops = {n.name: str(n.target) for n in gm.graph.nodes}
+    held = {n.name for n in inductor_buffers(gm)}
+    assert held == {"x_1", "a_1", "w1_1", "w2_1", "b_1", "sum_1", "add", "mm_1", "sum_2"}, \
+        (held, ops)
+    kernels, _ = inductor_kernels(gm)
+    assert [[n.name for n in k] for k in kernels] == [["add"], ["sum_1", "sum_2"], ["mm_1"]], ops
+
+
+@pytest.mark.parametrize("layout", ["heads first", "sequence first"])
+def test_cpu_attention_backward_copies_a_heads_first_gradient(layout):
+    """The CPU flash attention backward copies its output gradient into (batch, sequence, heads,
+    dim) order unless it is in that order already (torch's profiler, tests/../benchmarks); the
+    walk counts that copy while the op runs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphpass.graph.peak import _operand_copy
+
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if op is None:
+        pytest.skip("no CPU flash attention backward in this torch")
+    b, h, s, d = 1, 2, 8, 4
+    q = torch.randn(b, s, h, d).transpose(1, 2)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True)
+    grad = torch.randn(b, h, s, d) if layout == "heads first" else \
+        torch.randn(b, s, h, d).transpose(1, 2)
+    gm = make_fx(lambda g: op.default(g, q, q, q, out, lse, 0.0, True))(grad)
+    node, = [n for n in gm.graph.nodes if n.target is op.default]
+    assert _operand_copy(node) == (b * h * s * d * 4 if layout == "heads first" else 0)
