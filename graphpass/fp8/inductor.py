@@ -131,8 +131,10 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
         out = []
         for columnwise in ops._COLUMNWISE[usage]:
             src = x.transpose(-2, -1) if columnwise else x
-            amax = (recipes._abs_amax(src, (-1,))[..., None] if src.shape[-1] else
-                    src.new_zeros((*src.shape[:-1], 1))).to(torch.float32)
+            # |x| upcast (exact) reduced in fp32, as _fused_blockwise does: x is stored, so
+            # the upcast is a load and a convert in each loop that reads it
+            amax = (recipes._abs_amax(src.to(torch.float32), (-1,))[..., None]
+                    if src.shape[-1] else src.new_zeros((*src.shape[:-1], 1), dtype=torch.float32))
             scale = _stored(recipes.tensorwise_scale(amax, recipe, role))  # elementwise
             out += [recipes.scaled_cast(src.to(torch.float32), scale, recipe, role).contiguous(),
                     torch.reciprocal(scale)]
