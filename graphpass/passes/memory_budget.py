@@ -24,10 +24,11 @@ weighed there.
 Before the greedy search, the smallest peak the budget can reach is computed once (everything
 recomputable recomputed, everything eligible offloaded); a budget below it raises one ValueError
 naming that peak and what holds it. When the greedy search stalls above the budget (a recompute
-that lowers the peak alone may not), it starts from that all-in plan and prunes it: the choices,
-the costliest first, are given back in groups, halved where a group's return breaks the budget,
-so that only the choices the budget needs stay (within ``MAX_PRUNE`` partitions; the decision
-says how many choices were kept and how many partitions it took, or that it stopped early).
+that lowers the peak alone may not), it starts from that all-in plan and prunes it: of the
+choices, the costliest first, the longest run that can be given back together while the peak
+fits (a binary search over its length), then again past the choice that ends it, which stays
+(within ``MAX_PRUNE`` partitions; the decision says how many choices were kept, what they add by
+the roofline, how many partitions it took, or that it stopped early).
 """
 
 from __future__ import annotations
@@ -191,6 +192,7 @@ def _prune(joint: fx.GraphModule, plan: Plan, recomputable: list[fx.Node],
     that ends it (which stays), again. Returns the final peak, the choices kept
     (action, node), their roofline time and that of every choice the backward would see, the
     partitions taken and whether the search finished."""
+    everything = peak
     # what the backward reads under the all-in plan: forward values it reads, and the inputs of
     # those it recomputes; a choice outside it changes nothing and is given back at once
     needed = {n for n in joint.graph.nodes if any(is_backward(u) for u in n.users)
@@ -252,7 +254,14 @@ def _prune(joint: fx.GraphModule, plan: Plan, recomputable: list[fx.Node],
         kept += remaining[lo:lo + 1]  # the choice the budget needs
         remaining = remaining[lo + 1:]
     kept += remaining
-    seconds = (sum(cost[c] for c in kept), sum(cost.values()))
+    peak, _, _ = plan.predict_peak(joint)  # every change above, the choices no backward reads too
+    partitions += 1
+    if peak["bytes"] > budget:  # not expected: back to the all-in plan, which fits
+        give_back(list(given_back), False)
+        kept = [(a, n) for _, a, n in choices] + sorted(
+            (c for c in given_back if c not in cost), key=lambda c: c[1].name)
+        peak = everything
+    seconds = (sum(cost.get(c, 0.0) for c in kept), sum(cost.values()))
     return peak, kept, seconds, partitions, not remaining
 
 
@@ -289,10 +298,7 @@ def _choose(action: str, node: fx.Node, plan: Plan):
         plan.budget_offloads = True
 
     def undo() -> None:
-        if policy is None:
-            node.meta.pop("recompute", None)
-        else:
-            node.meta["recompute"] = policy
+        _set_policy(node, policy)
         if action == "offload":
             node.meta.pop("should_offload", None)
             plan.budget_offloads = offloads
@@ -347,10 +353,7 @@ def _apply_all(recomputable: list[fx.Node], offloadable: list[fx.Node], plan: Pl
 def _restore(joint: fx.GraphModule, tags: dict[fx.Node, Any], offloadable: list[fx.Node],
              plan: Plan) -> None:
     for node, policy in tags.items():
-        if policy is None:
-            node.meta.pop("recompute", None)
-        else:
-            node.meta["recompute"] = policy
+        _set_policy(node, policy)
     for node in offloadable:  # none was marked before the budget
         node.meta.pop("should_offload", None)
     plan.budget_offloads = False
