@@ -130,13 +130,11 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
     if recipes.is_rowwise(recipe) and x.dim() in (2, 3):
         out = []
         for columnwise in ops._COLUMNWISE[usage]:
-            src = x.transpose(-2, -1) if columnwise else x
-            # |x| upcast (exact) reduced in fp32, as _fused_blockwise does: x is stored, so
-            # the upcast is a load and a convert in each loop that reads it
-            amax = (recipes._abs_amax(src.to(torch.float32), (-1,))[..., None]
-                    if src.shape[-1] else src.new_zeros((*src.shape[:-1], 1), dtype=torch.float32))
-            scale = _stored(recipes.tensorwise_scale(amax, recipe, role))  # elementwise
-            out += [recipes.scaled_cast(src.to(torch.float32), scale, recipe, role).contiguous(),
+            # the recipe's arithmetic (recipes.rowwise_quantize) with its scales stored; x is
+            # stored, so its fp32 upcast is a load and a convert in each loop that reads it
+            x32 = (x.transpose(-2, -1) if columnwise else x).to(torch.float32)
+            scale = _stored(recipes.row_scale(x32, recipe, role))
+            out += [recipes.scaled_cast(x32, scale, recipe, role).contiguous(),
                     torch.reciprocal(scale)]
         return out
     if x.dim() != 2 or recipes.block_shape(recipe, role) is not None:

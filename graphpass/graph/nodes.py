@@ -61,6 +61,12 @@ def producer(node: fx.Node) -> fx.Node:
     return node
 
 
+def tensor_bytes(val: torch.Tensor, *, where: str) -> int:
+    """A tensor's bytes; an unbacked element count is assumed, with a ``sizes:`` note naming
+    ``where`` (``_compat.size_hint``)."""
+    return _compat.size_hint(val.numel(), where=where) * val.element_size()
+
+
 def is_backward(node: fx.Node) -> bool:
     return _compat.partition_side(node) == "is_backward"
 

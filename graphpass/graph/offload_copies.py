@@ -24,12 +24,11 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from .._compat import (is_offload_machinery, offload_issue, offloaded_source, reload_of,
-                       size_hint)
+from .._compat import is_offload_machinery, offload_issue, offloaded_source, reload_of
 from ..decisions import Decision, What
 from ..report import format_bytes
 from .flops import node_flops
-from .nodes import module_path, op_name
+from .nodes import module_path, op_name, tensor_bytes
 from .ops import VIEWS
 from .roofline import H100, Device
 
@@ -178,7 +177,7 @@ def _bytes(node: fx.Node) -> int:
     total = 0
     for val in tree_leaves(node.meta.get("val")):
         if isinstance(val, torch.Tensor):
-            total += size_hint(val.numel(), where=f"the copy size of {node.name}") * val.element_size()
+            total += tensor_bytes(val, where=f"the copy size of {node.name}")
     return total
 
 

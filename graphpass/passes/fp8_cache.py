@@ -32,7 +32,8 @@ from .. import _compat
 from ..config import Config
 from ..decisions import Cached, Decision, Plan, What, facts, record
 from ..fp8.cache import CACHE_DEQUANTIZE, CACHE_DEQUANTIZE_COPY, CACHE_QUANTIZE, DTYPES
-from ..graph.nodes import is_backward, is_random, module_path, op_name, producer, tensor_val
+from ..graph.nodes import (is_backward, is_random, module_path, op_name, producer, tensor_bytes,
+                           tensor_val)
 from ..graph.ops import CASTS, VIEWS
 from ..graph.regions import Regions, is_attention
 
@@ -206,8 +207,7 @@ def _not_cacheable(node: fx.Node, plan: Plan) -> str:
 
 
 def _nbytes(node: fx.Node) -> int:
-    val = tensor_val(node)
-    return _compat.size_hint(val.numel(), where=f"the FP8 cache of {node.name}") * val.element_size()
+    return tensor_bytes(tensor_val(node), where=f"the FP8 cache of {node.name}")
 
 
 def _insert(graph: fx.Graph, node: fx.Node, fmt: str) -> fx.Node:

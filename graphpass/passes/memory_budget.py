@@ -40,12 +40,12 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import _compat
-from .._compat import size_hint
 from ..config import Config
 from ..decisions import Decision, Plan, What
 from ..graph.flops import node_flops
 from ..graph.offload_copies import Windows, format_seconds
-from ..graph.nodes import is_backward, is_random, module_path, op_name, producer
+from ..graph.nodes import (is_backward, is_random, module_path, op_name, producer,
+                           tensor_bytes)
 from ..graph.regions import forward_calls
 from ..graph.roofline import H100
 from ..report import format_bytes
@@ -99,8 +99,7 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 continue
             source = producer(node)
             if (source.name, "recompute") not in tried and _recomputable(source):
-                nbytes = _bytes(source) + sum(_bytes(i) for i in source.all_input_nodes)
-                seconds = H100.compute(node_flops(source), nbytes, _dtype(source))
+                seconds = _recompute_seconds(source)
                 # a recompute from tensors saved anyway frees its output; one that needs others
                 # saved in its place may not: tried after
                 needs_more = any(i not in kept for i in source.all_input_nodes)
@@ -184,15 +183,14 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
 
 def _prune(joint: fx.GraphModule, plan: Plan, recomputable: list[fx.Node],
            offloadable: list[fx.Node], tags: dict[fx.Node, Any], budget: int,
-           peak: dict[str, Any], overlap: bool):
-    """From the all-in plan (applied, its ``peak`` within ``budget``), give back the choices the
-    budget does not need, the costliest first (a recompute by its roofline time, an offload by
-    its copies, nothing where they may hide): the longest run of the costliest that can be given
-    back together while the peak fits (a binary search over its length), then past the choice
-    that ends it (which stays), again. Returns the final peak, the choices kept
+           everything: dict[str, Any], overlap: bool):
+    """From the all-in plan (applied, its peak ``everything`` within ``budget``), give back the
+    choices the budget does not need, the costliest first (a recompute by its roofline time, an
+    offload by its copies, nothing where they may hide): the longest run of the costliest that
+    can be given back together while the peak fits (a binary search over its length), then past
+    the choice that ends it (which stays), again. Returns the final peak, the choices kept
     (action, node), their roofline time and that of every choice the backward would see, the
     partitions taken and whether the search finished."""
-    everything = peak
     # what the backward reads under the all-in plan: forward values it reads, and the inputs of
     # those it recomputes; a choice outside it changes nothing and is given back at once
     needed = {n for n in joint.graph.nodes if any(is_backward(u) for u in n.users)
@@ -205,8 +203,7 @@ def _prune(joint: fx.GraphModule, plan: Plan, recomputable: list[fx.Node],
                 if i not in needed:
                     needed.add(i)
                     todo_nodes.append(i)
-    choices = [(H100.compute(node_flops(n), _bytes(n) + sum(_bytes(i) for i in n.all_input_nodes),
-                             _dtype(n)), "recompute", n) for n in recomputable if n in needed]
+    choices = [(_recompute_seconds(n), "recompute", n) for n in recomputable if n in needed]
     choices += [(0.0 if overlap else 2 * H100.copy(_bytes(n)), "offload", n) for n in offloadable
                 if n in needed]
     choices.sort(key=lambda c: (-c[0], c[1], c[2].name))
@@ -234,7 +231,7 @@ def _prune(joint: fx.GraphModule, plan: Plan, recomputable: list[fx.Node],
     kept: list[tuple[str, fx.Node]] = []
     while remaining and partitions < MAX_PRUNE:
         # the longest run of the costliest choices that can be given back together
-        lo, hi, fits = 0, len(remaining), peak
+        lo, hi = 0, len(remaining)
         while lo < hi and partitions < MAX_PRUNE:
             mid = (lo + hi + 1) // 2
             give_back(remaining[:mid], True)
@@ -242,12 +239,11 @@ def _prune(joint: fx.GraphModule, plan: Plan, recomputable: list[fx.Node],
             partitions += 1
             give_back(remaining[:mid], False)
             if new_peak["bytes"] <= budget:
-                lo, fits = mid, new_peak
+                lo = mid
             else:
                 hi = mid - 1
         give_back(remaining[:lo], True)  # fits: verified by its own partition
         given_back.update(remaining[:lo])
-        peak = fits
         if lo < hi:  # out of partitions: what is not decided stays
             remaining = remaining[lo:]
             break
@@ -306,6 +302,14 @@ def _choose(action: str, node: fx.Node, plan: Plan):
     return undo
 
 
+def _recompute_seconds(node: fx.Node) -> float:
+    """What recomputing ``node`` takes by an H100's roofline: its FLOPs or the bytes it reads and
+    writes, whichever is slower (``offload_copies.compute_seconds`` of a single-tensor node, with
+    the budget's own size notes)."""
+    nbytes = _bytes(node) + sum(_bytes(i) for i in node.all_input_nodes)
+    return H100.compute(node_flops(node), nbytes, _dtype(node))
+
+
 def _dtype(node: fx.Node) -> torch.dtype | None:
     val = node.meta.get("val")
     return val.dtype if isinstance(val, torch.Tensor) else None
@@ -339,7 +343,7 @@ def _bytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
-    return size_hint(val.numel(), where=f"the budget's size of {node.name}") * val.element_size()
+    return tensor_bytes(val, where=f"the budget's size of {node.name}")
 
 
 def _apply_all(recomputable: list[fx.Node], offloadable: list[fx.Node], plan: Plan) -> None:

@@ -20,10 +20,9 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from .._compat import size_hint
 from ..config import Config
 from ..decisions import Decision, Plan, What, facts, record
-from ..graph.nodes import is_backward, module_path, op_name
+from ..graph.nodes import is_backward, module_path, op_name, tensor_bytes
 from ..graph.offload_copies import format_seconds
 from ..graph.roofline import H100
 from ..graph.ops import VIEWS
@@ -81,8 +80,7 @@ def offload_hidden(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
 
 
 def _bytes(node: fx.Node) -> int:
-    val = node.meta["val"]
-    return size_hint(val.numel(), where=f"offload's size of {node.name}") * val.element_size()
+    return tensor_bytes(node.meta["val"], where=f"offload's size of {node.name}")
 
 
 def why_not_offloaded(node: fx.Node, config: Config, *, is_parameter: bool) -> str | None:
@@ -96,7 +94,7 @@ def why_not_offloaded(node: fx.Node, config: Config, *, is_parameter: bool) -> s
         return "quantized weight"
     if known.fp8_scale:
         return "FP8 scale"
-    nbytes = size_hint(val.numel(), where=f"offload's size of {node.name}") * val.element_size()
+    nbytes = tensor_bytes(val, where=f"offload's size of {node.name}")
     if nbytes < config.offload_min_bytes:
         return f"{format_bytes(nbytes)} < offload_min_bytes"
     path, op = module_path(node), op_name(node)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import fnmatch
 import operator
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -31,7 +30,7 @@ from .. import _compat
 from ..config import Config
 from ..decisions import FACTS, Decision, Plan, What, facts
 from ..fp8.ops import QUANTIZE
-from ..graph.nodes import is_backward, module_path, op_name
+from ..graph.nodes import is_backward, module_path, op_name, tensor_bytes
 
 
 
@@ -82,15 +81,12 @@ def _weight_once(graph: fx.Graph, plan: Plan, w: fx.Node, by_usage: dict[str, fx
     # the copy the backward reads: dgrad's (the columnwise one, the rowwise one for a weight
     # stored [in, out])
     backward = col if any(is_backward(u) for g in col.users for u in g.users) else row
-    nbytes = sum(_nbytes(v) for v in backward.meta["val"])
+    nbytes = sum(tensor_bytes(v, where=f"fp8_weight_once's size of {w.name}")
+                 for v in backward.meta["val"])
     _merge(graph, row, col)
     plan.decide(Decision(What.WEIGHT_ONCE, "fp8_weight_once",
                          "the weight's two FP8 copies quantized in the forward, from one read; "
                          f"dgrad's copy saved ({nbytes:,} B)", module, w.name))
-
-
-def _nbytes(val: torch.Tensor) -> int:
-    return val.numel() * val.element_size()
 
 
 def _offs(quantize: fx.Node) -> fx.Node | None:
