@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 from .. import _compat
 from .._compat import offloaded_source, size_hint, storage_id
 from ..report.peak import peak_dict
-from .nodes import module_path, op_name
+from .nodes import module_path, op_name, tensor_bytes
 from .ops import VIEWS
 
 
@@ -398,8 +398,7 @@ def _realized_in_kernels(kernels: list[list[fx.Node]], reads: Any, device: str
             heavy = _compat.op_name(m.target) in _compat.INDUCTOR_REALIZE_HEAVY_OPS
             todo += m.all_input_nodes
         if (heavy and device == "cpu") or len(set(reads(n))) > config.realize_reads_threshold:
-            out.append((size_hint(val.numel(), where=f"the step peak's {n.name}")
-                        * val.element_size(), first, last))
+            out.append((tensor_bytes(val, where=f"the step peak's {n.name}"), first, last))
     return out
 
 
