@@ -11,6 +11,7 @@ prefetch each reload in the backward ahead of its first use by as much compute a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -19,13 +20,16 @@ import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_function
 
+import graphpass
 from graphpass import _compat
+from graphpass.decisions import What
 from graphpass.graph.offload_copies import compute_seconds, offload_copies
 from graphpass.graph.peak import step_peak
 
 offloading = pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
 
 N, LAYERS = 1024, 4
+BIG = 4096
 BYTES = N * N * 4  # one fp32 activation
 
 
@@ -35,10 +39,12 @@ def _layers(x, *ws):
     return x.sum()
 
 
-def _cuda_partition(monkeypatch, *, stream: bool) -> tuple[fx.GraphModule, fx.GraphModule]:
+def _cuda_partition(monkeypatch, *, stream: bool, partitioner=None, n: int = N
+                    ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward torch's min-cut makes of ``_layers`` with every relu output
     offloaded, its tensors on CUDA (the joint graph is traced on the CPU, then its metadata moved
-    to CUDA: offloading reads devices from it)."""
+    to CUDA: offloading reads devices from it); ``partitioner(joint, inputs, num_fwd_outputs=,
+    static_lifetime_input_indices=)`` partitions it in place of the offloading min-cut."""
     # what needs a GPU at partition time: 2.11's stream and event handles, and the timing of
     # each backward node for the prefetch (the roofline here)
     counter = itertools.count(100)
@@ -57,8 +63,14 @@ def _cuda_partition(monkeypatch, *, stream: bool) -> tuple[fx.GraphModule, fx.Gr
                 if isinstance(v, torch.Tensor):
                     n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
                                                         device="cuda")
-                if n.op == "call_function" and n.target is torch.ops.aten.relu.default:
+                if (partitioner is None and n.op == "call_function"
+                        and n.target is torch.ops.aten.relu.default):
                     _compat.mark_for_offload(n)
+        if partitioner is not None:
+            graphs["fw"], graphs["bw"] = partitioner(
+                joint, inputs, num_fwd_outputs=kwargs["num_fwd_outputs"],
+                static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
+            raise _Partitioned
         with _compat.min_cut_settings(relaxed=False, offload=True, offload_stream=stream):
             graphs["fw"], graphs["bw"] = _compat.min_cut_partition(
                 joint, inputs, num_fwd_outputs=kwargs["num_fwd_outputs"],
@@ -66,7 +78,7 @@ def _cuda_partition(monkeypatch, *, stream: bool) -> tuple[fx.GraphModule, fx.Gr
                 compiler="eager")
         raise _Partitioned
 
-    args = [torch.randn(N, N, requires_grad=True) for _ in range(LAYERS + 1)]
+    args = [torch.randn(n, n, requires_grad=True) for _ in range(LAYERS + 1)]
     with pytest.raises(_Partitioned):  # the graphs run on CUDA only: stop once partitioned
         aot_function(_layers, fw_compiler=lambda gm, _: gm, partition_fn=partition)(*args)
     return graphs["fw"], graphs["bw"]
@@ -248,3 +260,37 @@ def test_offload_hidden_only_needs_offload():
     with pytest.raises(ValueError, match="offload_hidden_only=True has no effect without "
                                          "offload=True"):
         graphpass.Config(offload_hidden_only=True)
+
+
+def _budgeted(monkeypatch, budget, n):
+    """graphpass's report of ``_layers`` on (n, n) CUDA tensors under ``memory_budget=budget``."""
+    config = graphpass.Config(codegen="eager", memory_budget=budget)
+    _cuda_partition(monkeypatch, stream=True, n=n, partitioner=functools.partial(
+        graphpass.partition, config=config, compiler="eager"))
+    return graphpass.last_report()
+
+
+def test_a_budget_on_cuda_offloads_the_largest_longest_lived_tensors_whose_copies_hide(monkeypatch):
+    """On a CUDA device the budget weighs offloads too. Four 64 MiB relu outputs in a chain of
+    fp32 (4096, 4096) GEMMs (2.05 ms each by the H100 roofline, a copy 1.34 ms each way): a
+    hidden offload costs nothing, so half a tensor below the unbudgeted peak the budget offloads
+    one rather than recompute anything, the longest-lived, its decision giving the copy time, the
+    compute of its two windows and that it hides; the summary adds nothing by the roofline."""
+    unbudgeted = _budgeted(monkeypatch, None, BIG).meta["step_peak"]
+    assert unbudgeted["device"] == "cuda"
+    with pytest.raises(ValueError, match="cannot be met") as error:
+        _budgeted(monkeypatch, 1, BIG)
+    smallest = int(re.search(r"reaches is [^(]*\(([\d,]+) B\)", str(error.value)).group(1)
+                   .replace(",", ""))
+    assert smallest < unbudgeted["bytes"]
+    budget = unbudgeted["bytes"] - BIG * BIG * 2  # half a tensor
+    report = _budgeted(monkeypatch, budget, BIG)
+    assert report.meta["step_peak"]["bytes"] <= budget
+    notes = [str(d) for d in report.decisions if d.what is What.BUDGETED]
+    offloads = [n for n in notes if n.startswith("memory_budget: offload ")]
+    assert offloads and len(offloads) == len(notes) - 1, notes
+    # the first relu output: the longest-lived (the most compute to hide its copies under)
+    assert offloads == [
+        "memory_budget: offload relu (aten.relu, 64.00 MiB, 1.34 ms each way under 4.32 ms of "
+        "forward and 8.55 ms of backward compute: hidden)"], notes
+    assert "adding about 0.0 us by the roofline" in notes[-1], notes[-1]

@@ -10,6 +10,7 @@ gradient accumulation clones each gradient under MemTracker, which a plain run d
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -19,6 +20,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import graphpass
 from examples import deepseek, gpt, llama
 from graphpass.decisions import What
+from graphpass.passes.memory_budget import MAX_PRUNE
 from graphpass.report import format_bytes
 
 TOLERANCE = 0.05
@@ -125,15 +127,21 @@ def _smallest_peak(error: BaseException) -> int:
     return int(match.group(1).replace(",", ""))
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt", "deepseek"])
-def test_budget_below_the_unbudgeted_peak_is_met(name):
-    """Predicted and measured within the budget, gradients bit-identical to the unbudgeted
-    plan's, every choice a decision in the report."""
-    module = {"llama": llama, "gpt": gpt, "deepseek": deepseek}[name]
+def _built(name):
+    if name in ("hf llama", "mixtral"):
+        return _hf(name.removeprefix("hf "))
+    return _example({"llama": llama, "gpt": gpt, "deepseek": deepseek}[name])
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt", "deepseek", "hf llama", "mixtral"])
+def test_a_budget_between_the_smallest_and_the_unbudgeted_peak_is_met(name):
+    """Halfway from the smallest peak graphpass reaches (the ValueError of a 1-byte budget names
+    it) to the unbudgeted one: predicted and measured within the budget, gradients bit-identical
+    to the unbudgeted plan's, every choice a decision in the report."""
 
     def step(**options):
         torch.manual_seed(0)
-        model, fn, x = _example(module)
+        model, fn, x = _built(name)
         backend = graphpass.backend(codegen="eager", **options)
         compiled = torch.compile(fn, backend=backend)
         torch.manual_seed(1)  # gpt's dropout draws the same masks in both runs
@@ -145,39 +153,56 @@ def test_budget_below_the_unbudgeted_peak_is_met(name):
 
     unbudgeted, grads, _ = step()
     full = unbudgeted.meta["step_peak"]["bytes"]
-    # 2% below the unbudgeted peak: above the smallest reachable one on each example (the
-    # smallest, from a budget of 1 B: llama 9,970,944 B of 11,613,440 B), and found in a few
-    # partitions (a budget further down costs a minute of search per model on 2 cores)
-    budget = int(0.98 * full)
+    with pytest.raises(Exception, match="cannot be met") as error:
+        step(memory_budget=1)
+    smallest = _smallest_peak(error.value)
+    assert smallest < full
+    budget = (smallest + full) // 2
     report, budgeted_grads, measured = step(memory_budget=budget)
     assert report.meta["step_peak"]["bytes"] <= budget < full
     assert measured <= budget, (measured, budget)
     assert all(torch.equal(a, b) for a, b in zip(grads, budgeted_grads))
-    budget_notes = [d for d in report.decisions if d.what is What.BUDGETED]
-    assert budget_notes and f"within {format_bytes(budget)}" in str(budget_notes[-1])
+    summary = [d for d in report.decisions if d.what is What.BUDGETED][-1]
+    assert f"within {format_bytes(budget)}" in str(summary)
 
 
-def test_a_budget_the_greedy_search_stalls_on_is_met_by_pruning_the_all_in_plan():
-    """On the tiny Llama (two layers), a budget 10% of the way from the smallest reachable peak
-    (9,970,944 B) to the unbudgeted one (11,613,440 B): no single recompute lowers the peak
-    there, so the greedy search stalls, and the plan starts from every op recomputed, then gives
-    back the costliest choices while the peak fits. The peak is met, above the all-in plan's
-    (some choices given back), with fewer choices than all of them."""
+def _summary(report):
+    notes = [str(d) for d in report.decisions if d.what is What.BUDGETED]
+    match = re.search(
+        r"within .*; (\d+) of (\d+) choice\(s\) the backward reads, adding about ([\d.]+) (\w+) "
+        r"by the roofline of an H100 against ([\d.]+) (\w+) for all of them; (\d+) partition\(s\): "
+        r"(\d+) to find the cheapest (\d+) that fit, (\d+) to give back the costliest of them, 1 "
+        r"to check the plan", notes[-1])
+    assert match, notes[-1]
+    return notes[:-1], match
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5])
+def test_a_budget_keeps_few_of_the_choices_in_few_partitions(share):
+    """On the tiny Llama (two layers), a budget 10% and 50% of the way from the smallest
+    reachable peak (9,970,944 B) to the unbudgeted one (11,613,440 B), where no single recompute
+    lowers the peak: everything at once fits, the shortest run of the cheapest choices per byte
+    that fits is found by bisection, and the costliest of it are given back. The peak is met,
+    above the all-in plan's, with a share of the choices that costs less than all of them, in a
+    number of partitions bounded by the search (2, a bisection, ``MAX_PRUNE``, 1)."""
     torch.manual_seed(0)
     model, (x,) = llama.build("tiny")
-    budget = 9_970_944 + (11_613_440 - 9_970_944) // 10
+    budget = int(9_970_944 + (11_613_440 - 9_970_944) * share)
     report = graphpass.plan(model, x, config=graphpass.Config(codegen="eager",
                                                               memory_budget=budget))
     assert 9_970_944 < report.meta["step_peak"]["bytes"] <= budget
-    notes = [str(d) for d in report.decisions if d.what is What.BUDGETED]
-    (pruned,) = [n for n in notes if n.startswith("memory_budget: no single change lowered")]
-    match = re.search(r"recomputed \((\d+)\) .*?, (\d+) choice\(s\) kept, adding about ([\d.]+) "
-                      r"(\w+) by the roofline against ([\d.]+) (\w+) for all", pruned)
-    assert match, pruned
-    total, kept = int(match.group(1)), int(match.group(2))
+    choices, match = _summary(report)
+    kept, total = int(match.group(1)), int(match.group(2))
     assert 0 < kept < total
+    if share == 0.5:  # the pruning gives back most of the run
+        assert kept < total // 4, (kept, total)
     assert match.group(4) == match.group(6) and float(match.group(3)) < float(match.group(5))
-    assert len([n for n in notes if n.endswith("): kept")]) == kept
+    partitions, prefix, run, pruning = (int(match.group(k)) for k in (7, 8, 9, 10))
+    assert kept <= run <= total and partitions == prefix + pruning + 1
+    assert prefix <= 2 + math.ceil(math.log2(total)) and pruning <= MAX_PRUNE + 1
+    assert len(choices) == kept
+    assert all(re.fullmatch(r"memory_budget: recompute \S+ \(\S+, [\d.]+ \w+\): adds about "
+                            r"[\d.]+ \w+ by the roofline", c) for c in choices), choices
 
 
 def test_budget_below_the_smallest_peak_is_one_value_error():

@@ -6,33 +6,38 @@ activation offloading, so gradients are bit-identical to the plan without a budg
 activation cache, which is lossy, is never chosen here: it is the user's ``fp8_cache`` setting,
 applied before this pass, whose savings the budget then counts.
 
-The plan is greedy against the predicted peak (``graph/peak.py``) of torch's min-cut: while the
-peak is over budget, of the saved tensors live at the peak, take the choice (recompute its
-producer, or offload it) that costs the least added time per byte, re-partition, and keep it if
-the peak fell. Time is a roofline of the device the FP8 cost model uses too
-(``graph/roofline.py``, an H100: graphpass measures nothing): a recompute costs its FLOPs at the
-GEMM rate or its bytes at the memory bandwidth, whichever is slower; an offload costs its copy out
-and back over the host link, nothing where torch's separate stream (CUDA, ``offload_stream``)
-hides both copies: the copy out under the forward's compute after the tensor's last forward use,
-the copy back under the backward's compute before its first backward use, the link taking one
-copy at a time each way (``graph/offload_copies.py``). Of choices that cost the same per byte
-(every hidden offload: nothing), the largest is taken first, then the longest-lived. Each chosen
-offload's decision gives its bytes, its copy time and the compute it hides under, or what it
-adds. On a CPU device an offload frees nothing (the host is the device), so only recomputes are
-weighed there.
+Each try is one partition with torch's min-cut and one prediction of its peak
+(``graph/peak.py``), a second or more for a real graph, so the search is built to take few:
 
-Before the greedy search, the smallest peak the budget can reach is computed once (everything
-recomputable recomputed, everything eligible offloaded); a budget below it raises one ValueError
-naming that peak and what holds it. When the greedy search stalls above the budget (a recompute
-that lowers the peak alone may not), it starts from that all-in plan and prunes it: of the
-choices, the costliest first, the longest run that can be given back together while the peak
-fits (a binary search over its length), then again past the choice that ends it, which stays
-(within ``MAX_PRUNE`` partitions; the decision says how many choices were kept, what they add by
-the roofline, how many partitions it took, or that it stopped early).
+1. **Everything at once**: every recomputable op recomputed, every eligible tensor offloaded.
+   This is the smallest peak the budget can reach; a budget below it raises one ValueError
+   naming that peak and what holds it. The choices the backward never reads then are given back
+   (they change nothing).
+2. **The cheapest prefix**: the choices, cheapest per byte first (a recompute by its roofline
+   time, an offload by what its copies add: nothing where torch's separate stream hides them,
+   the largest and longest-lived first), and the shortest run of them from the cheapest that
+   fits, by a binary search over its length (about log2 of the number of choices).
+3. **Pruning**: of that run, the costliest choices first, the longest run that can be given back
+   together while the peak fits (found by doubling, then halving), then past the choice that
+   ends it, which stays; within ``MAX_PRUNE`` partitions, what the pruning does not reach stays.
+
+Time is a roofline of the device the FP8 cost model uses too (``graph/roofline.py``, an H100:
+graphpass measures nothing): a recompute costs its FLOPs at the GEMM rate or its bytes at the
+memory bandwidth, whichever is slower; an offload costs its copy out and back over the host link,
+nothing where torch's separate stream (CUDA, ``offload_stream``) hides both copies: the copy out
+under the forward's compute after the tensor's last forward use, the copy back under the
+backward's compute before its first backward use, the link taking one copy at a time each way
+(``graph/offload_copies.py``). On a CPU device an offload frees nothing (the host is the device),
+so only recomputes are weighed there. The final plan's peak is predicted once more, and the
+all-in plan kept if it misses (the search assumes that more choices never raise the peak, which
+torch's min-cut does not promise). Each choice kept is a decision with what it adds; a summary
+gives the peak, the choices and their roofline time against that of every choice, and the
+partitions taken.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,26 +49,35 @@ from ..config import Config
 from ..decisions import Decision, Plan, What
 from ..graph.flops import node_flops
 from ..graph.offload_copies import Windows, format_seconds
-from ..graph.nodes import (is_backward, is_random, module_path, op_name, producer,
-                           tensor_bytes)
+from ..graph.nodes import is_backward, is_random, module_path, op_name, tensor_bytes
 from ..graph.regions import forward_calls
 from ..graph.roofline import H100
 from ..report import format_bytes
 from .offload import why_not_offloaded
 from .tags import user_policy
 
-MAX_BATCH = 4
-"""Choices tried together at most: more reach a far budget in fewer partitions, but a large
-batch that fails (one bad recompute in it) rules all of them out."""
-
-MAX_PRUNE = 48
-"""Partitions the pruning of the all-in plan may take: enough to give back the costly choices of
-a tiny example's ~100 (it needs a few per choice it keeps), bounded for real-size graphs."""
+MAX_PRUNE = 32
+"""Partitions the pruning may take: enough to give back the costly choices of a tiny example's
+~100-300 (about two per run it gives back and one per choice it keeps), bounded for real-size
+graphs, where one partition takes seconds."""
 
 H100_MEMORY = 80 * 2**30
 """The device memory a fractional budget is a share of when no CUDA device is present."""
 
 
+@dataclass
+class _Choice:
+    action: str
+    """``"recompute"`` (the node's op, in the backward) or ``"offload"`` (its output)."""
+    node: fx.Node
+    bytes: int
+    seconds: float
+    """What it adds to the step by the roofline (for an offload, ordered largest first)."""
+    lifetime: float
+    """The compute its saved output outlives (the unbudgeted plan's windows)."""
+
+    def text(self) -> str:
+        return f"{self.action} {self.node.name} ({op_name(self.node)}, {format_bytes(self.bytes)}"
 
 
 def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
@@ -80,185 +94,183 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     unbudgeted = peak["bytes"]
     on_device = peak["device"] != "cpu"
     overlap = on_device and config.offload_stream is not False
-
-    saved_tags = {n: n.meta.get("recompute") for n in joint.graph.nodes}
+    tags = {n: n.meta.get("recompute") for n in joint.graph.nodes}
     recomputable = [n for n in forward_calls(joint) if _recomputable(n)]
     offloadable = [n for n in forward_calls(joint) if on_device and not n.meta.get("should_offload")
                    and _offloadable(n, config, plan)]
-    smallest = peak  # the smallest peak of every plan tried
+    choices = [_Choice("recompute", n, _bytes(n), _recompute_seconds(n), 0.0)
+               for n in recomputable]
+    choices += [_Choice("offload", n, _bytes(n), 2 * H100.copy(_bytes(n)), 0.0)
+                for n in offloadable]
+    search = _Search(joint, plan, tags, offloadable, partitions=1)
 
-    chosen: list[Decision] = []
-    tried: set[tuple[str, str]] = set()
-    offloaded: list[tuple[str, int]] = []  # the offloads chosen so far: saved name, bytes
-    while peak["bytes"] > budget:
-        options = []
-        kept = set(saved.values()) | set(plan.primals)
-        for live in peak["live"]:
-            node = saved.get(live["name"])
-            if live["kind"] != "saved" or node is None:
-                continue
-            source = producer(node)
-            if (source.name, "recompute") not in tried and _recomputable(source):
-                seconds = _recompute_seconds(source)
-                # a recompute from tensors saved anyway frees its output; one that needs others
-                # saved in its place may not: tried after
-                needs_more = any(i not in kept for i in source.all_input_nodes)
-                options.append((needs_more, seconds / live["bytes"], "recompute", source,
-                                live["bytes"], live["name"]))
-            if (node.name, "offload") not in tried and node in offloadable:
-                adds = (windows.late([*offloaded, (live["name"], live["bytes"])])
-                        - windows.late(offloaded)) if overlap else 2 * H100.copy(live["bytes"])
-                options.append((False, max(adds, 0.0) / live["bytes"], "offload", node,
-                                live["bytes"], live["name"]))
-        if not options:
-            break
-        # the cheapest per byte; of equal cost (hidden offloads cost nothing) the largest, then
-        # the longest-lived (the most compute to hide its copies under)
-        options.sort(key=lambda o: (o[0], o[1], -o[4], -_lifetime(o[5], windows), o[3].name))
-        options = [o[1:] for o in options]
-        batch, covered = [], 0
-        for option in options:
-            if option[2] in {b[2] for b in batch}:
-                continue
-            batch.append(option)
-            covered += option[3]
-            if covered >= peak["bytes"] - budget or len(batch) == MAX_BATCH:
-                break
-        # the cheapest choices that cover the excess, tried together, then without the last
-        # one and so on; a single choice that does not lower the peak is not tried again
-        for size in (batch[:n] for n in range(len(batch), 0, -1)):
-            undo = [_choose(action, node, plan) for _, action, node, _, _ in size]
-            new_peak, new_saved, new_windows = plan.predict_peak(joint)
-            smallest = min(smallest, new_peak, key=lambda p: p["bytes"])
-            if new_peak["bytes"] < peak["bytes"]:
-                break
-            for restore in reversed(undo):
-                restore()
-        if new_peak["bytes"] >= peak["bytes"]:
-            tried.add((size[0][2].name, size[0][1]))
-            continue
-        tried.update((node.name, action) for _, action, node, _, _ in size)
-        for _, action, node, nbytes, name in size:
-            what = f"{action} {node.name} ({op_name(node)}, {format_bytes(nbytes)}"
-            if action == "offload":
-                copy = H100.copy(nbytes)
-                adds = (windows.late([*offloaded, (name, nbytes)]) - windows.late(offloaded)
-                        if overlap else 2 * copy)
-                offloaded.append((name, nbytes))
-                what += (f", {format_seconds(copy)} each way under "
-                         f"{format_seconds(windows.out.get(name, 0.0))} of forward and "
-                         f"{format_seconds(windows.back.get(name, 0.0))} of backward compute: "
-                         + ("hidden" if adds <= 0 else f"not hidden, adds {format_seconds(adds)}"))
-            chosen.append(Decision(What.BUDGETED, "memory_budget", (
-                f"{what}; step peak {format_bytes(peak['bytes'])} -> "
-                f"{format_bytes(new_peak['bytes'])})"), module_path(node), node.name))
-        peak, saved, windows = new_peak, new_saved, new_windows
+    # 1. everything at once: the smallest peak; what the backward never reads is given back
+    everyone = list(choices)
+    search.set(everyone, on=True)
+    everything = search.predict()
+    if everything["bytes"] > budget:
+        search.set(everyone, on=False)
+        raise ValueError(_unmet(config.memory_budget, budget, of_what,
+                                min(peak, everything, key=lambda p: p["bytes"])))
+    needed = _read_by_backward(joint)
+    search.set([c for c in choices if c.node not in needed], on=False)
+    choices = [c for c in choices if c.node in needed]
+    _cost_offloads(choices, windows, {node: name for name, node in saved.items()}, overlap)
 
-    if peak["bytes"] > budget:  # the greedy search stalled: everything at once, if it fits
-        _restore(joint, saved_tags, offloadable, plan)
-        _apply_all(recomputable, offloadable, plan)
-        everything, _, _ = plan.predict_peak(joint)
-        smallest = min(smallest, everything, key=lambda p: p["bytes"])
-        if everything["bytes"] > budget:
-            _restore(joint, saved_tags, offloadable, plan)
-            raise ValueError(_unmet(config.memory_budget, budget, of_what, smallest))
-        peak, kept, seconds, partitions, done = _prune(
-            joint, plan, recomputable, offloadable, saved_tags, budget, everything, overlap)
-        chosen = [Decision(What.BUDGETED, "memory_budget", (
-            f"no single change lowered the peak further: from every recomputable op recomputed "
-            f"({len(recomputable)}) and every eligible tensor offloaded ({len(offloadable)}), "
-            f"{len(kept)} choice(s) kept, adding about {format_seconds(seconds[0])} by the "
-            f"roofline against {format_seconds(seconds[1])} for all, the others given back, in "
-            f"{partitions} partition(s)"
-            + ("" if done else f" (stopped at the limit of {MAX_PRUNE}; the rest kept)")))]
-        chosen += [Decision(What.BUDGETED, "memory_budget", (
-            f"{action} {node.name} ({op_name(node)}, {format_bytes(_bytes(node))}): kept"),
-            module_path(node), node.name) for action, node in kept]
-    for decision in chosen:
-        plan.decide(decision)
+    # 2. the shortest run of the cheapest per byte that fits
+    order = sorted(choices, key=lambda c: (c.seconds / max(c.bytes, 1), -c.bytes, -c.lifetime,
+                                           c.action, c.node.name))
+    fits = len(order)  # everything fits
+    short = 0  # no choice: the unbudgeted plan, over budget
+    while fits - short > 1:
+        mid = (short + fits) // 2
+        search.set(order[:mid], on=True)
+        search.set(order[mid:], on=False)
+        if search.predict()["bytes"] <= budget:
+            fits = mid
+        else:
+            short = mid
+    search.set(order[:fits], on=True)
+    search.set(order[fits:], on=False)
+    prefix = search.partitions
+
+    # 3. the costliest of that run given back while the peak fits
+    kept, done = _prune(search, order[:fits], budget)
+    pruning = search.partitions - prefix
+    final = search.predict()
+    if final["bytes"] > budget:  # not expected: back to everything at once, which fits
+        search.set(everyone, on=True)
+        kept, final = everyone, search.predict()
+    added = sum(c.seconds for c in kept)
+    for c in sorted(kept, key=lambda c: (-c.seconds, c.node.name)):
+        plan.decide(Decision(What.BUDGETED, "memory_budget", _kept_text(c, search.windows),
+                             module_path(c.node), c.node.name))
     plan.decide(Decision(What.BUDGETED, "memory_budget", (
-        f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(peak['bytes'])} within "
-        f"{format_bytes(budget)}{of_what}; {len(chosen)} choice(s), roofline of an H100")))
+        f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(final['bytes'])} within "
+        f"{format_bytes(budget)}{of_what}; {len(kept)} of {len(choices)} choice(s) the backward "
+        f"reads, adding about {format_seconds(added)} by the roofline of an H100 against "
+        f"{format_seconds(sum(c.seconds for c in choices))} for all of them; "
+        f"{search.partitions} partition(s): {prefix} to find the cheapest {fits} that fit, "
+        f"{pruning} to give back the costliest of them, {search.partitions - prefix - pruning} "
+        "to check the plan"
+        + ("" if done else f" (stopped at the limit of {MAX_PRUNE}; the rest kept)"))))
 
 
-def _prune(joint: fx.GraphModule, plan: Plan, recomputable: list[fx.Node],
-           offloadable: list[fx.Node], tags: dict[fx.Node, Any], budget: int,
-           everything: dict[str, Any], overlap: bool):
-    """From the all-in plan (applied, its peak ``everything`` within ``budget``), give back the
-    choices the budget does not need, the costliest first (a recompute by its roofline time, an
-    offload by its copies, nothing where they may hide): the longest run of the costliest that
-    can be given back together while the peak fits (a binary search over its length), then past
-    the choice that ends it (which stays), again. Returns the final peak, the choices kept
-    (action, node), their roofline time and that of every choice the backward would see, the
-    partitions taken and whether the search finished."""
-    # what the backward reads under the all-in plan: forward values it reads, and the inputs of
-    # those it recomputes; a choice outside it changes nothing and is given back at once
+class _Search:
+    """The joint graph's tags under a set of choices, and the partitions taken to weigh them."""
+
+    def __init__(self, joint: fx.GraphModule, plan: Plan, tags: dict[fx.Node, Any],
+                 offloadable: list[fx.Node], partitions: int) -> None:
+        self.joint, self.plan, self.tags, self.offloadable = joint, plan, tags, offloadable
+        self.partitions = partitions
+        self.windows: Windows | None = None
+
+    def set(self, choices: list[_Choice], *, on: bool) -> None:
+        for c in choices:
+            if c.action == "recompute":
+                if on:
+                    c.node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                else:
+                    _set_policy(c.node, self.tags.get(c.node))
+            elif on:
+                _compat.mark_for_offload(c.node)
+            else:
+                c.node.meta.pop("should_offload", None)
+        self.plan.budget_offloads = any(n.meta.get("should_offload") for n in self.offloadable)
+
+    def predict(self) -> dict[str, Any]:
+        peak, _, self.windows = self.plan.predict_peak(self.joint)
+        self.partitions += 1
+        return peak
+
+
+def _read_by_backward(joint: fx.GraphModule) -> set[fx.Node]:
+    """The forward values the backward reads under the joint graph's tags: those its own nodes
+    read, and the inputs of those it recomputes. A choice outside the set changes nothing."""
     needed = {n for n in joint.graph.nodes if any(is_backward(u) for u in n.users)
               and not is_backward(n)}
-    todo_nodes = list(needed)
-    while todo_nodes:
-        node = todo_nodes.pop()
-        if node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
-            for i in node.all_input_nodes:
-                if i not in needed:
-                    needed.add(i)
-                    todo_nodes.append(i)
-    choices = [(_recompute_seconds(n), "recompute", n) for n in recomputable if n in needed]
-    choices += [(0.0 if overlap else 2 * H100.copy(_bytes(n)), "offload", n) for n in offloadable
-                if n in needed]
-    choices.sort(key=lambda c: (-c[0], c[1], c[2].name))
-    given_back: set[tuple[str, fx.Node]] = {
-        *(("recompute", n) for n in recomputable if n not in needed),
-        *(("offload", n) for n in offloadable if n not in needed)}
-    partitions = 0
+    todo = list(needed)
+    while todo:
+        node = todo.pop()
+        # a multi-output op is read through its getitems
+        reads = (node.all_input_nodes if op_name(node) == "getitem"
+                 or node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE else [])
+        for i in reads:
+            if i not in needed:
+                needed.add(i)
+                todo.append(i)
+    return needed
 
-    def give_back(group: list[tuple[str, fx.Node]], on: bool) -> None:
-        for action, node in group:
-            if action == "recompute":
-                if on:
-                    _set_policy(node, tags.get(node))
-                else:
-                    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            elif on:
-                node.meta.pop("should_offload", None)
-            else:
-                _compat.mark_for_offload(node)
-        plan.budget_offloads = any(n.meta.get("should_offload") for n in offloadable)
 
-    give_back(sorted(given_back, key=lambda c: c[1].name), True)
-    cost = {(a, n): c for c, a, n in choices}
-    remaining = [(a, n) for _, a, n in choices]
-    kept: list[tuple[str, fx.Node]] = []
-    while remaining and partitions < MAX_PRUNE:
-        # the longest run of the costliest choices that can be given back together
-        lo, hi = 0, len(remaining)
-        while lo < hi and partitions < MAX_PRUNE:
-            mid = (lo + hi + 1) // 2
-            give_back(remaining[:mid], True)
-            new_peak, _, _ = plan.predict_peak(joint)
-            partitions += 1
-            give_back(remaining[:mid], False)
-            if new_peak["bytes"] <= budget:
-                lo = mid
+def _cost_offloads(choices: list[_Choice], windows: Windows, names: dict[fx.Node, str],
+                   overlap: bool) -> None:
+    """Each offload's lifetime, and with copies on a side stream, what it adds to those of the
+    larger and longer-lived offloads before it (``Windows.late``: nothing while they hide)."""
+    offloads = [c for c in choices if c.action == "offload"]
+    for c in offloads:
+        name = names.get(c.node, c.node.name)
+        c.lifetime = windows.out.get(name, 0.0) + windows.back.get(name, 0.0)
+    if not overlap:
+        return
+    copies: list[tuple[str, int]] = []
+    for c in sorted(offloads, key=lambda c: (-c.bytes, -c.lifetime, c.node.name)):
+        before = windows.late(copies)
+        copies.append((names.get(c.node, c.node.name), c.bytes))
+        c.seconds = max(windows.late(copies) - before, 0.0)
+
+
+def _prune(search: _Search, run: list[_Choice], budget: int) -> tuple[list[_Choice], bool]:
+    """Of ``run`` (applied, its peak within ``budget``), give back the choices the budget does
+    not need, the costliest first: the longest run of the costliest that can be given back
+    together while the peak fits (doubling its length, then halving the step), then past the
+    choice that ends it, which stays. Returns the choices kept and whether the search finished
+    within ``MAX_PRUNE`` partitions (what it did not reach is kept)."""
+    remaining = sorted(run, key=lambda c: (-c.seconds, c.action, c.node.name))
+    limit = search.partitions + MAX_PRUNE
+    kept: list[_Choice] = []
+
+    def fits_without(k: int) -> bool:
+        search.set(remaining[:k], on=False)
+        fits = search.predict()["bytes"] <= budget
+        search.set(remaining[:k], on=True)
+        return fits
+
+    while remaining and search.partitions < limit:
+        # the longest run of the costliest that can be given back: 1, 2, 4, ... then bisect
+        good, bad, step = 0, None, 1
+        while bad is None and good < len(remaining) and search.partitions < limit:
+            k = min(good + step, len(remaining))
+            if fits_without(k):
+                good, step = k, 2 * step
             else:
-                hi = mid - 1
-        give_back(remaining[:lo], True)  # fits: verified by its own partition
-        given_back.update(remaining[:lo])
-        if lo < hi:  # out of partitions: what is not decided stays
-            remaining = remaining[lo:]
+                bad = k
+        while bad is not None and bad - good > 1 and search.partitions < limit:
+            mid = (good + bad) // 2
+            if fits_without(mid):
+                good = mid
+            else:
+                bad = mid
+        search.set(remaining[:good], on=False)  # fits: verified by its own partition
+        remaining = remaining[good:]
+        if bad is None or bad - good > 1:  # all given back, or out of partitions
             break
-        kept += remaining[lo:lo + 1]  # the choice the budget needs
-        remaining = remaining[lo + 1:]
-    kept += remaining
-    peak, _, _ = plan.predict_peak(joint)  # every change above, the choices no backward reads too
-    partitions += 1
-    if peak["bytes"] > budget:  # not expected: back to the all-in plan, which fits
-        give_back(list(given_back), False)
-        kept = [(a, n) for _, a, n in choices] + sorted(
-            (c for c in given_back if c not in cost), key=lambda c: c[1].name)
-        peak = everything
-    seconds = (sum(cost.get(c, 0.0) for c in kept), sum(cost.values()))
-    return peak, kept, seconds, partitions, not remaining
+        kept.append(remaining[0])  # the choice the budget needs
+        remaining = remaining[1:]
+    return kept + remaining, not remaining
+
+
+def _kept_text(c: _Choice, windows: Windows | None) -> str:
+    """A kept choice's decision: what it is, and what it adds."""
+    if c.action == "recompute":
+        return f"{c.text()}): adds about {format_seconds(c.seconds)} by the roofline"
+    copy = H100.copy(c.bytes)
+    name = c.node.name
+    out = windows.out.get(name, 0.0) if windows else 0.0
+    back = windows.back.get(name, 0.0) if windows else 0.0
+    return (f"{c.text()}, {format_seconds(copy)} each way under {format_seconds(out)} of forward "
+            f"and {format_seconds(back)} of backward compute: "
+            + ("hidden" if c.seconds <= 0 else f"not hidden, adds {format_seconds(c.seconds)}")
+            + ")")
 
 
 def _set_policy(node: fx.Node, policy: Any) -> None:
@@ -266,12 +278,6 @@ def _set_policy(node: fx.Node, policy: Any) -> None:
         node.meta.pop("recompute", None)
     else:
         node.meta["recompute"] = policy
-
-
-def _lifetime(name: str, windows: Windows) -> float:
-    """The compute a saved tensor outlives: after its last forward use and before its first
-    backward one."""
-    return windows.out.get(name, 0.0) + windows.back.get(name, 0.0)
 
 
 def _unmet(value: int | float, budget: int, of_what: str, smallest: dict[str, Any]) -> str:
@@ -282,24 +288,6 @@ def _unmet(value: int | float, budget: int, of_what: str, smallest: dict[str, An
             f"({smallest['bytes']:,} B), in the {smallest['phase']} at {smallest['node']}; live "
             "there: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest["by_kind"].items())
             + f"; biggest: {holds}")
-
-
-def _choose(action: str, node: fx.Node, plan: Plan):
-    """Tag ``node`` for ``action``; returns the function that undoes it."""
-    policy, offloads = node.meta.get("recompute"), plan.budget_offloads
-    if action == "recompute":
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    else:
-        _compat.mark_for_offload(node)
-        plan.budget_offloads = True
-
-    def undo() -> None:
-        _set_policy(node, policy)
-        if action == "offload":
-            node.meta.pop("should_offload", None)
-            plan.budget_offloads = offloads
-
-    return undo
 
 
 def _recompute_seconds(node: fx.Node) -> float:
@@ -344,20 +332,3 @@ def _bytes(node: fx.Node) -> int:
     if not isinstance(val, torch.Tensor):
         return 0
     return tensor_bytes(val, where=f"the budget's size of {node.name}")
-
-
-def _apply_all(recomputable: list[fx.Node], offloadable: list[fx.Node], plan: Plan) -> None:
-    for node in recomputable:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    for node in offloadable:
-        _compat.mark_for_offload(node)
-    plan.budget_offloads = plan.budget_offloads or bool(offloadable)
-
-
-def _restore(joint: fx.GraphModule, tags: dict[fx.Node, Any], offloadable: list[fx.Node],
-             plan: Plan) -> None:
-    for node, policy in tags.items():
-        _set_policy(node, policy)
-    for node in offloadable:  # none was marked before the budget
-        node.meta.pop("should_offload", None)
-    plan.budget_offloads = False
