@@ -49,12 +49,17 @@ from ..config import Config
 from ..decisions import Decision, Plan, What
 from ..graph.flops import node_flops
 from ..graph.offload_copies import Windows, format_seconds
-from ..graph.nodes import is_backward, is_random, module_path, op_name, tensor_bytes
+from ..graph.nodes import (is_backward, is_random, module_path, op_name, producer,
+                           tensor_bytes)
 from ..graph.regions import forward_calls
 from ..graph.roofline import H100
 from ..report import format_bytes
 from .offload import why_not_offloaded
 from .tags import user_policy
+
+MAX_BATCH = 4
+"""Choices the greedy search tries together at most: more reach a far budget in fewer
+partitions, but a batch that fails (one bad recompute in it) rules all of them out."""
 
 MAX_PRUNE = 32
 """Partitions the pruning may take: enough to give back the costly choices of a tiny example's
@@ -98,26 +103,144 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     recomputable = [n for n in forward_calls(joint) if _recomputable(n)]
     offloadable = [n for n in forward_calls(joint) if on_device and not n.meta.get("should_offload")
                    and _offloadable(n, config, plan)]
+    search = _Search(joint, plan, tags, offloadable, peak, saved, windows)
+
+    # 1. the cheapest choices live at the peak, while they lower it; 2. where that stalls,
+    # everything at once, pruned; 3. where everything at once does not fit either (its
+    # recomputes can raise the backward's peak), the greedy search without a limit
+    resident = peak["by_kind"].get("parameter", 0) + peak["by_kind"].get("input", 0)
+    reachable = budget >= resident  # below what no plan frees, no search without a limit
+    tried: set[tuple[str, str]] = set()  # (node, action) that alone did not lower the peak
+    offloaded: list[tuple[str, int]] = []  # the offloads chosen so far: saved name, bytes
+    chosen = _greedy(search, budget, offloadable, overlap, GREEDY_MISSES, tried, offloaded)
+    greedy = search.partitions
+    how = f"{greedy} trying the cheapest choices live at the peak"
+    every = None
+    if search.peak["bytes"] <= budget:
+        final, kept = search.peak, chosen
+    else:
+        search.set(chosen, on=False)
+        found = _all_in(search, budget, recomputable, offloadable, overlap, how)
+        if found is not None:
+            final, kept, every, how = found
+        else:
+            if reachable:
+                search.set(chosen, on=True)
+                search.predict()
+                chosen += _greedy(search, budget, offloadable, overlap, None, tried, offloaded)
+            if search.peak["bytes"] > budget:
+                search.set(chosen, on=False)
+                raise ValueError(_unmet(config.memory_budget, budget, of_what, search.smallest))
+            final, kept = search.peak, chosen
+            how += (", 1 for everything at once (over budget: its recomputes raise the peak), "
+                    f"{search.partitions - greedy - 1} more trying the cheapest "
+                    "choices live at the peak")
+    for c in sorted(kept, key=lambda c: (-c.seconds, c.node.name)):
+        plan.decide(Decision(What.BUDGETED, "memory_budget", _kept_text(c, search.windows),
+                             module_path(c.node), c.node.name))
+    plan.decide(Decision(What.BUDGETED, "memory_budget", (
+        f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(final['bytes'])} within "
+        f"{format_bytes(budget)}{of_what}; {len(kept)} choice(s), adding about "
+        f"{format_seconds(sum(c.seconds for c in kept))} by the roofline of an H100"
+        + (f" against {format_seconds(every)} for every choice the backward reads" if every else "")
+        + f"; {search.partitions} partition(s): {how}")))
+
+
+GREEDY_MISSES = 12
+"""Tries the greedy search may spend on choices that do not lower the peak before it hands over
+to the search from everything at once."""
+
+
+def _greedy(search: "_Search", budget: int, offloadable: list[fx.Node], overlap: bool,
+            max_misses: int | None, tried: set[tuple[str, str]],
+            offloaded: list[tuple[str, int]]) -> list["_Choice"]:
+    """While the peak is over budget: of the saved tensors live at the peak, the cheapest choices
+    per byte that cover the excess (at most ``MAX_BATCH`` together; a recompute from tensors saved
+    anyway first, since one that needs others saved in its place may free nothing), kept if the
+    peak fell, else fewer of them; a choice that alone does not lower the peak is not tried again.
+    Stops after ``max_misses`` tries that did not lower it (None: when no choice is left).
+    Returns the choices kept (applied); ``tried`` and ``offloaded`` carry on to a later call."""
+    chosen: list[_Choice] = []
+    misses = 0
+    while search.peak["bytes"] > budget and (max_misses is None or misses < max_misses):
+        peak, saved, windows = search.peak, search.saved, search.windows
+        options = []
+        kept = set(saved.values()) | set(search.plan.primals)
+        for live in peak["live"]:
+            node = saved.get(live["name"])
+            if live["kind"] != "saved" or node is None:
+                continue
+            source = producer(node)
+            if (source.name, "recompute") not in tried and _recomputable(source):
+                c = _Choice("recompute", source, live["bytes"], _recompute_seconds(source), 0.0)
+                # a recompute from tensors saved anyway frees its output; one that needs others
+                # saved in its place may not: tried after
+                needs_more = any(i not in kept for i in source.all_input_nodes)
+                options.append((needs_more, c, live["name"]))
+            if (node.name, "offload") not in tried and node in offloadable:
+                adds = (windows.late([*offloaded, (live["name"], live["bytes"])])
+                        - windows.late(offloaded)) if overlap else 2 * H100.copy(live["bytes"])
+                options.append((False, _Choice("offload", node, live["bytes"], max(adds, 0.0),
+                                               _lifetime(live["name"], windows)), live["name"]))
+        if not options:
+            break
+        # the cheapest per byte; of equal cost (hidden offloads cost nothing) the largest, then
+        # the longest-lived (the most compute to hide its copies under)
+        options.sort(key=lambda o: (o[0], o[1].seconds / max(o[1].bytes, 1), -o[1].bytes,
+                                    -o[1].lifetime, o[1].node.name))
+        batch: list[tuple[_Choice, str]] = []
+        covered = 0
+        for _, c, name in options:
+            if c.node in {b.node for b, _ in batch}:
+                continue
+            batch.append((c, name))
+            covered += c.bytes
+            if covered >= peak["bytes"] - budget or len(batch) == MAX_BATCH:
+                break
+        # the cheapest choices that cover the excess, tried together, then without the last
+        # one and so on
+        for size in (batch[:n] for n in range(len(batch), 0, -1)):
+            search.set([c for c, _ in size], on=True)
+            if search.predict()["bytes"] < peak["bytes"]:
+                break
+            search.set([c for c, _ in size], on=False)
+            search.peak, search.saved, search.windows = peak, saved, windows
+            misses += 1
+        else:
+            tried.add((batch[0][0].node.name, batch[0][0].action))
+            continue
+        tried.update((c.node.name, c.action) for c, _ in size)
+        chosen += [c for c, _ in size]
+        offloaded += [(name, c.bytes) for c, name in size if c.action == "offload"]
+    return chosen
+
+
+def _all_in(search: "_Search", budget: int, recomputable: list[fx.Node],
+            offloadable: list[fx.Node], overlap: bool, how: str
+            ) -> tuple[dict[str, Any], list["_Choice"], float, str] | None:
+    """From the plan without choices: everything at once, then the shortest run of the
+    cheapest per byte that fits, then the costliest of it given back. Returns the final peak,
+    the choices kept, the roofline time of every choice the backward reads, and how the
+    partitions were spent; None (no choice applied) where everything at once is over budget."""
     choices = [_Choice("recompute", n, _bytes(n), _recompute_seconds(n), 0.0)
                for n in recomputable]
     choices += [_Choice("offload", n, _bytes(n), 2 * H100.copy(_bytes(n)), 0.0)
                 for n in offloadable]
-    search = _Search(joint, plan, tags, offloadable, partitions=1)
-
-    # 1. everything at once: the smallest peak; what the backward never reads is given back
+    names = {node: name for name, node in search.saved.items()}
+    windows = search.windows
     everyone = list(choices)
     search.set(everyone, on=True)
     everything = search.predict()
     if everything["bytes"] > budget:
         search.set(everyone, on=False)
-        raise ValueError(_unmet(config.memory_budget, budget, of_what,
-                                min(peak, everything, key=lambda p: p["bytes"])))
-    needed = _read_by_backward(joint)
+        return None
+    needed = _read_by_backward(search.joint)
     search.set([c for c in choices if c.node not in needed], on=False)
     choices = [c for c in choices if c.node in needed]
-    _cost_offloads(choices, windows, {node: name for name, node in saved.items()}, overlap)
+    _cost_offloads(choices, windows, names, overlap)
+    start = search.partitions
 
-    # 2. the shortest run of the cheapest per byte that fits
+    # the shortest run of the cheapest per byte that fits
     order = sorted(choices, key=lambda c: (c.seconds / max(c.bytes, 1), -c.bytes, -c.lifetime,
                                            c.action, c.node.name))
     fits = len(order)  # everything fits
@@ -134,36 +257,32 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     search.set(order[fits:], on=False)
     prefix = search.partitions
 
-    # 3. the costliest of that run given back while the peak fits
+    # the costliest of that run given back while the peak fits
     kept, done = _prune(search, order[:fits], budget)
     pruning = search.partitions - prefix
     final = search.predict()
     if final["bytes"] > budget:  # not expected: back to everything at once, which fits
         search.set(everyone, on=True)
         kept, final = everyone, search.predict()
-    added = sum(c.seconds for c in kept)
-    for c in sorted(kept, key=lambda c: (-c.seconds, c.node.name)):
-        plan.decide(Decision(What.BUDGETED, "memory_budget", _kept_text(c, search.windows),
-                             module_path(c.node), c.node.name))
-    plan.decide(Decision(What.BUDGETED, "memory_budget", (
-        f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(final['bytes'])} within "
-        f"{format_bytes(budget)}{of_what}; {len(kept)} of {len(choices)} choice(s) the backward "
-        f"reads, adding about {format_seconds(added)} by the roofline of an H100 against "
-        f"{format_seconds(sum(c.seconds for c in choices))} for all of them; "
-        f"{search.partitions} partition(s): {prefix} to find the cheapest {fits} that fit, "
-        f"{pruning} to give back the costliest of them, {search.partitions - prefix - pruning} "
-        "to check the plan"
-        + ("" if done else f" (stopped at the limit of {MAX_PRUNE}; the rest kept)"))))
+    how += (f", 1 for everything at once ({len(choices)} choice(s) the backward reads), "
+            f"{prefix - start} to find the cheapest {fits} that fit, {pruning} to give back the "
+            f"costliest of them"
+            + ("" if done else f" (stopped at the limit of {MAX_PRUNE}; the rest kept)")
+            + f", {search.partitions - prefix - pruning} to check the plan")
+    return final, kept, sum(c.seconds for c in choices), how
 
 
 class _Search:
-    """The joint graph's tags under a set of choices, and the partitions taken to weigh them."""
+    """The joint graph's tags under a set of choices, the last prediction (peak, saved tensors by
+    name, copy windows), the smallest peak predicted and the partitions taken."""
 
     def __init__(self, joint: fx.GraphModule, plan: Plan, tags: dict[fx.Node, Any],
-                 offloadable: list[fx.Node], partitions: int) -> None:
+                 offloadable: list[fx.Node], peak: dict[str, Any], saved: dict[str, fx.Node],
+                 windows: Windows) -> None:
         self.joint, self.plan, self.tags, self.offloadable = joint, plan, tags, offloadable
-        self.partitions = partitions
-        self.windows: Windows | None = None
+        self.peak, self.saved, self.windows = peak, saved, windows
+        self.smallest = peak
+        self.partitions = 1
 
     def set(self, choices: list[_Choice], *, on: bool) -> None:
         for c in choices:
@@ -179,9 +298,10 @@ class _Search:
         self.plan.budget_offloads = any(n.meta.get("should_offload") for n in self.offloadable)
 
     def predict(self) -> dict[str, Any]:
-        peak, _, self.windows = self.plan.predict_peak(self.joint)
+        self.peak, self.saved, self.windows = self.plan.predict_peak(self.joint)
         self.partitions += 1
-        return peak
+        self.smallest = min(self.smallest, self.peak, key=lambda p: p["bytes"])
+        return self.peak
 
 
 def _read_by_backward(joint: fx.GraphModule) -> set[fx.Node]:
@@ -257,6 +377,12 @@ def _prune(search: _Search, run: list[_Choice], budget: int) -> tuple[list[_Choi
         kept.append(remaining[0])  # the choice the budget needs
         remaining = remaining[1:]
     return kept + remaining, not remaining
+
+
+def _lifetime(name: str, windows: Windows) -> float:
+    """The compute a saved tensor outlives: after its last forward use and before its first
+    backward one."""
+    return windows.out.get(name, 0.0) + windows.back.get(name, 0.0)
 
 
 def _kept_text(c: _Choice, windows: Windows | None) -> str:
