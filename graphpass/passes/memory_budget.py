@@ -64,6 +64,11 @@ MAX_BATCH = 4
 """Choices the greedy search tries together at most: more reach a far budget in fewer
 partitions, but a batch that fails (one bad recompute in it) rules all of them out."""
 
+GREEDY_MISSES = 12
+"""Tries the greedy search may spend on choices that do not lower the peak before it hands over
+to the search from everything at once."""
+
+
 MAX_PRUNE = 32
 """Partitions the pruning may take: enough to give back the costly choices of a tiny example's
 ~100-300 (about two per run it gives back and one per choice it keeps), bounded for real-size
@@ -80,7 +85,8 @@ class _Choice:
     node: fx.Node
     bytes: int
     seconds: float
-    """What it adds to the step by the roofline (for an offload, ordered largest first)."""
+    """What it adds to the step by the roofline (an offload: what its copies add to those of the
+    larger offloads, nothing while they hide)."""
     lifetime: float
     """The compute its saved output outlives (the unbudgeted plan's windows)."""
 
@@ -145,18 +151,14 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(final['bytes'])} within "
         f"{format_bytes(budget)}{of_what}; {len(kept)} choice(s), adding about "
         f"{format_seconds(sum(c.seconds for c in kept))} by the roofline of an H100"
-        + (f" against {format_seconds(every)} for every choice the backward reads" if every else "")
+        + ("" if every is None else
+           f" against {format_seconds(every)} for every choice the backward reads")
         + f"; {search.partitions} partition(s): {how}")))
 
 
-GREEDY_MISSES = 12
-"""Tries the greedy search may spend on choices that do not lower the peak before it hands over
-to the search from everything at once."""
-
-
-def _greedy(search: "_Search", budget: int, offloadable: list[fx.Node], overlap: bool,
+def _greedy(search: _Search, budget: int, offloadable: list[fx.Node], overlap: bool,
             max_misses: int | None, tried: set[tuple[str, str]],
-            offloaded: list[tuple[str, int]]) -> list["_Choice"]:
+            offloaded: list[tuple[str, int]]) -> list[_Choice]:
     """While the peak is over budget: of the saved tensors live at the peak, the cheapest choices
     per byte that cover the excess (at most ``MAX_BATCH`` together; a recompute from tensors saved
     anyway first, since one that needs others saved in its place may free nothing), kept if the
@@ -218,9 +220,9 @@ def _greedy(search: "_Search", budget: int, offloadable: list[fx.Node], overlap:
     return chosen
 
 
-def _all_in(search: "_Search", budget: int, recomputable: list[fx.Node],
+def _all_in(search: _Search, budget: int, recomputable: list[fx.Node],
             offloadable: list[fx.Node], overlap: bool, how: str
-            ) -> tuple[dict[str, Any], list["_Choice"], float, str] | None:
+            ) -> tuple[dict[str, Any], list[_Choice], float, str] | None:
     """From the plan without choices: everything at once, then the shortest run of the
     cheapest per byte that fits, then the costliest of it given back. Returns the final peak,
     the choices kept, the roofline time of every choice the backward reads, and how the
