@@ -216,10 +216,10 @@ def test_dense_rowwise_on_scaled_mm_is_the_reference(form, pow2, monkeypatch):
 # --- expert GEMMs as one torch._scaled_grouped_mm each ---------------------------------------------
 
 class _TokenGrouped(nn.Module):
-    def __init__(self, stored_kn):
+    def __init__(self, stored_kn, k=K, n=N):
         super().__init__()
         self.stored_kn = stored_kn
-        shape = (E, K, N) if stored_kn else (E, N, K)
+        shape = (E, k, n) if stored_kn else (E, n, k)
         self.weight = nn.Parameter((torch.randn(*shape) * 0.05).to(torch.bfloat16))
 
     def forward(self, x, offs):
@@ -416,12 +416,14 @@ def test_aligned_token_positions():
 
 # --- quantizes inlined into Inductor's kernels -----------------------------------------------------
 
-@pytest.mark.parametrize("options", [dict(fp8="rowwise"),
-                                     dict(fp8="tensorwise", fp8_format="e4m3")],
-                         ids=["rowwise", "tensorwise_e4m3"])
-def test_grouped_quantizes_are_inlined_and_bit_identical_to_the_op(options, monkeypatch):
-    """With Inductor (CPU), rowwise and tensorwise quantizes, the token-grouped ones included
-    (per-(group, column) and per-group scales), are inlined after the partition: the generated
+@pytest.mark.parametrize("options, k", [(dict(fp8="rowwise", kernels="scaled_mm"), K),
+                                        (dict(fp8="tensorwise", fp8_format="e4m3",
+                                              kernels="scaled_mm"), K),
+                                        (dict(fp8="blockwise", kernels="reference"), 128)],
+                         ids=["rowwise", "tensorwise_e4m3", "blockwise"])
+def test_grouped_quantizes_are_inlined_and_bit_identical_to_the_op(options, k, monkeypatch):
+    """With Inductor (CPU), rowwise, tensorwise and blockwise quantizes, the token-grouped ones
+    included (per-(group, column), per-group and per-block scales), are inlined after the partition: the generated
     code calls no graphpass.quantize, and outputs and gradients are bit-identical to the opaque
     op's (fuse_quantize=False), under the same precision settings."""
     from torch._inductor import config as inductor_config
@@ -430,15 +432,14 @@ def test_grouped_quantizes_are_inlined_and_bit_identical_to_the_op(options, monk
     if not _compat.inductor_rounds_fused_casts(device_types=["cpu"]):
         pytest.skip("this torch's Inductor CPU code leaves quantizes one op (a report note)")
     torch.manual_seed(0)
-    model = _TokenGrouped(stored_kn=False)
-    x = torch.randn(T, K, dtype=torch.bfloat16)
+    model = _TokenGrouped(stored_kn=False, k=k, n=k)  # blockwise: whole 128-blocks along K, N
+    x = torch.randn(T, k, dtype=torch.bfloat16)
     offs = torch.tensor(ENDS, dtype=torch.int32)
 
     def step(fuse):
         torch._dynamo.reset()
         model.weight.grad = None
-        compiled = torch.compile(model, backend=graphpass.backend(
-            **options, kernels="scaled_mm", fuse_quantize=fuse))
+        compiled = torch.compile(model, backend=graphpass.backend(**options, fuse_quantize=fuse))
         xx = x.clone().requires_grad_()
 
         def run():

@@ -10,12 +10,11 @@ for torchao's float8.
 
 The tensorwise, rowwise and blockwise recipes are inlined: they are the ones the TE,
 ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` and cuBLASLt blockwise GEMMs take. A rowwise
-scale is local to its row (one reduction along it). Rowwise and tensorwise quantizes over token
-groups (offsets: an expert GEMM's operands) are device ops without a host sync (each row's group
-from the offsets, the groups' amaxes one scatter-max), so they are inlined too. A blockwise scale
-is local to its 1x128 block or 128x128 tile (``_fused_blockwise``); a blockwise quantize over
-token groups pads each group in a loop over the group sizes, read on the host, and stays one op,
-as every mxfp8 quantize does (``fusion_notes`` says so in the report).
+scale is local to its row (one reduction along it). A blockwise scale is local to its 1x128
+block or 128x128 tile (``_fused_blockwise``). Quantizes over token groups (offsets: an expert
+GEMM's operands) are device ops without a host sync (each token's group, or its block within
+the group, from the offsets; the groups' or blocks' amaxes one scatter-max), so they are inlined
+too. Every mxfp8 quantize stays one op (``fusion_notes`` says so in the report).
 
 Numerics. Fusing is a speed decision, held to a bound, not to the opaque op's bits: each
 dequantized FP8 value of a fused quantize is within one FP8 ulp of the opaque op's (the bound the
@@ -49,8 +48,8 @@ INLINED_RECIPES = ("tensorwise", "rowwise", "blockwise")
 
 def inlinable(recipe: str) -> bool:
     """Whether a quantize is inlined: every tensorwise, rowwise and blockwise one (either scale
-    setting), on every device and in every role; a blockwise one over token groups stays one op
-    (``fusion_notes``)."""
+    setting), on every device and in every role, over token groups too (each written without a
+    loop over the groups or a host sync)."""
     return recipes.get_recipe(recipe).name in INLINED_RECIPES
 
 
@@ -67,18 +66,7 @@ def fusion_notes(*, device_types: set[str], recipe: str | None = None,
         return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
             f"{recipes.get_recipe(recipe).name} quantizes run as one op each (graphpass inlines "
             f"{', '.join(INLINED_RECIPES[:-1])} and {INLINED_RECIPES[-1]} ones)"))]
-    grouped = [n.args[1] for g in graphs for n in g.nodes
-               if n.target is ops.QUANTIZE and len(n.args) == 5 and not _groups_inlinable(n.args[1])]
-    return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
-        f"{len(grouped)} blockwise quantize(s) over token groups (offsets) run as one op each: "
-        "each group is padded to whole blocks, a loop over the group sizes read on the host"))
-    ] if grouped else []
-
-
-def _groups_inlinable(recipe: str) -> bool:
-    """Whether a quantize over token groups is inlined: rowwise and tensorwise ones (device ops,
-    no host sync); blockwise pads each group in a host loop. (mxfp8 is never inlined.)"""
-    return recipes.get_recipe(recipe).name in ("rowwise", "tensorwise")
+    return []
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,9 +89,9 @@ def _patterns() -> Any:
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
                         pm.KeywordArg("role"), pm.KeywordArg("usage"), pm.KeywordArg("offs")),
-        # rowwise or tensorwise over token groups: per-row, per-(group, column) or per-group
-        # scales, no host sync
-        extra_check=lambda match: _groups_inlinable(match.kwargs["recipe"]),
+        # over token groups: per-row, per-(group, column), per-group or per-block scales, each
+        # token's from the offsets on the device, no host sync
+        extra_check=lambda match: inlinable(match.kwargs["recipe"]),
         pass_dict=patterns,
     )
     def _inline_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
