@@ -25,6 +25,7 @@ from graphpass import _compat
 from graphpass.decisions import What
 from graphpass.graph.offload_copies import compute_seconds, offload_copies
 from graphpass.graph.peak import step_peak
+from test_peak import _smallest_peak
 
 offloading = pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
 
@@ -280,8 +281,7 @@ def test_a_budget_on_cuda_offloads_the_largest_longest_lived_tensors_whose_copie
     assert unbudgeted["device"] == "cuda"
     with pytest.raises(ValueError, match="cannot be met") as error:
         _budgeted(monkeypatch, 1, BIG)
-    smallest = int(re.search(r"reaches is [^(]*\(([\d,]+) B\)", str(error.value)).group(1)
-                   .replace(",", ""))
+    smallest = _smallest_peak(error.value)
     assert smallest < unbudgeted["bytes"]
     budget = unbudgeted["bytes"] - BIG * BIG * 2  # half a tensor
     report = _budgeted(monkeypatch, budget, BIG)

@@ -152,7 +152,6 @@ def _fused_blockwise(x: torch.Tensor, recipe: str, role: str, usage: str) -> lis
     bm, bk = recipes.block_shape(recipe, role)
     rec = recipes.get_recipe(recipe)
     dtype = recipes.fp8_dtype(rec, role)
-    fmax = recipes.fp8_max(dtype)
     *lead, m, k = x.shape
 
     def tiles(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -173,9 +172,7 @@ def _fused_blockwise(x: torch.Tensor, recipe: str, role: str, usage: str) -> lis
         # amaxes share a kernel: a compile error).
         a = t.abs().to(torch.float32)
         amax = torch.where(torch.isnan(a), 0.0, a).amax(dim=dims)
-        return _stored(recipes.compute_scale_from_amax(
-            amax, fmax, power_2_scales=rec.power_2_scales, amax_epsilon=rec.amax_epsilon,
-            value_for_inf=torch.finfo(x.dtype).max))
+        return _stored(recipes.blockwise_scale(amax, rec, role, x.dtype))
 
     def cast(src: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """(..., R, C) ``src`` cast by its (..., R/rows, C/cols) block scales, each broadcast

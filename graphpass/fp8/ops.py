@@ -140,28 +140,25 @@ def _quantize_groups_blockwise(x: Tensor, recipe: str, role: str, offs: Tensor,
     t, k = x.shape
     groups = offs.shape[0]
     columns = grouped_scale_blocks(t, groups, block)
-    rec = recipes.get_recipe(recipe)
     x32 = x.to(torch.float32)
-    tokens = torch.arange(t, device=x.device, dtype=offs.dtype)
-    group = torch.searchsorted(offs, tokens, right=True).long()  # `groups` past the end
+    group = _group_of_rows(offs, t)
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     blocks = (ends - starts + block - 1) // block
     first = torch.cumsum(blocks, 0) - blocks  # each group's first scale column
     inside = group < groups
     g = group.clamp(max=groups - 1)
-    column = torch.where(inside, first[g] + (tokens.long() - starts[g]) // block, columns)
+    tokens = torch.arange(t, device=x.device)
+    column = torch.where(inside, first[g] + (tokens - starts[g]) // block, columns)
     a = x32.abs()
     a = torch.where(torch.isnan(a) | ~inside[:, None], 0.0, a)  # NaN ignored, as _abs_amax
     amax = x32.new_zeros(columns + 1, k).scatter_reduce(
         0, column[:, None].expand(t, k), a, "amax")[:columns]
-    scale = recipes.compute_scale_from_amax(
-        amax, recipes.fp8_max(recipes.fp8_dtype(rec, role)), power_2_scales=rec.power_2_scales,
-        amax_epsilon=rec.amax_epsilon, value_for_inf=torch.finfo(x.dtype).max)
+    scale = recipes.blockwise_scale(amax, recipe, role, x.dtype)
     used = torch.arange(columns, device=x.device) < blocks.sum()
     scale_inv = torch.where(used[:, None], torch.reciprocal(scale), 1.0)
     token_scale = torch.cat([scale, scale.new_ones(1, k)])[column]  # (T, K)
-    data = recipes.scaled_cast(torch.where(inside[:, None], x32, 0.0), token_scale, rec, role)
+    data = recipes.scaled_cast(torch.where(inside[:, None], x32, 0.0), token_scale, recipe, role)
     return [data.t().contiguous(), scale_inv.t().contiguous()]
 
 
@@ -189,8 +186,7 @@ def _quantize_groups_tensorwise(x: Tensor, recipe: str, role: str, columnwise: b
     past ``offs[-1]`` are 0 (inf and NaN too); an empty group's amax is 0, so its scale is 1."""
     t, groups = x.shape[0], offs.shape[0]
     x32 = x.to(torch.float32)
-    group = torch.searchsorted(offs, torch.arange(t, device=x.device, dtype=offs.dtype),
-                               right=True).long()  # `groups` for rows past the end
+    group = _group_of_rows(offs, t)  # `groups` for rows past the end
     row_amax = recipes._abs_amax(x32, (1,)) if x32.numel() else x32.new_zeros(t)
     amax = x32.new_zeros(groups + 1).scatter_reduce(0, group, row_amax, "amax")[:groups]
     scale = recipes.tensorwise_scale(amax, recipe, role)
@@ -233,10 +229,7 @@ def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) ->
     a = torch.where(torch.isnan(a), 0.0, a)
     amax = x.new_zeros((groups + 1, k)).scatter_reduce(0, group[:, None].expand(t, k), a,
                                                        "amax")[:groups].to(torch.float32)
-    scale = recipes.compute_scale_from_amax(
-        amax, recipes.fp8_max(recipes.fp8_dtype(recipe, role)),
-        power_2_scales=recipes.get_recipe(recipe).power_2_scales,
-        amax_epsilon=recipes.get_recipe(recipe).amax_epsilon)
+    scale = recipes.tensorwise_scale(amax, recipe, role)  # elementwise: one per (group, column)
     row_scale = torch.cat([scale, scale.new_ones((1, k))])[group]
     inside = (group < groups)[:, None]
     data = recipes.scaled_cast(torch.where(inside, x32, 0.0), row_scale, recipe, role)

@@ -371,6 +371,17 @@ def tensorwise_scale(amax: torch.Tensor, recipe: Recipe | str, role: Role) -> to
                                    amax_epsilon=recipe.amax_epsilon)
 
 
+def blockwise_scale(amax: torch.Tensor, recipe: Recipe | str, role: Role,
+                    input_dtype: torch.dtype) -> torch.Tensor:
+    """The blockwise scales of fp32 block amaxes ``amax`` (elementwise), an overflow to inf
+    replaced by ``input_dtype``'s largest value (TE's ``compute_scale_from_types<IType, OType>``)."""
+    recipe = _as_recipe(recipe)
+    return compute_scale_from_amax(amax, fp8_max(fp8_dtype(recipe, role)),
+                                   power_2_scales=recipe.power_2_scales,
+                                   amax_epsilon=recipe.amax_epsilon,
+                                   value_for_inf=torch.finfo(input_dtype).max)
+
+
 def scaled_cast(x32: torch.Tensor, scale: torch.Tensor, recipe: Recipe | str,
                 role: Role) -> torch.Tensor:
     """Tensorwise FP8 data of fp32 ``x32``: ``fp8(x32 * scale)``, saturating, with ``scale``
@@ -439,7 +450,6 @@ def quantize(
         )
     x32 = (x.t() if columnwise else x).to(torch.float32)
     m, k = x32.shape
-    fmax = fp8_max(dtype)
     if recipe.name == "rowwise":
         if amax is not None:
             raise ValueError("a given amax scales one whole tensor: tensorwise only, not rowwise")
@@ -460,13 +470,7 @@ def quantize(
     tiles = _tiles(x32, *block)
     amax = _abs_amax(tiles, (1, 3))
     if recipe.name == "blockwise":
-        scale = compute_scale_from_amax(
-            amax,
-            fmax,
-            power_2_scales=recipe.power_2_scales,
-            amax_epsilon=recipe.amax_epsilon,
-            value_for_inf=torch.finfo(x.dtype).max,  # TE compute_scale_from_types<IType, OType>
-        )
+        scale = blockwise_scale(amax, recipe, role, x.dtype)
         scale_inv = torch.reciprocal(scale)
     else:
         scale_inv = float_to_e8m0(amax * _MAX_NORM_RCP[dtype])
