@@ -389,14 +389,14 @@ def _lifetime(name: str, windows: Windows) -> float:
     return windows.out.get(name, 0.0) + windows.back.get(name, 0.0)
 
 
-def _kept_text(c: _Choice, windows: Windows | None) -> str:
-    """A kept choice's decision: what it is, and what it adds."""
+def _kept_text(c: _Choice, windows: Windows) -> str:
+    """A kept choice's decision: what it is, and what it adds (an offload: its copies against
+    the final plan's ``windows``)."""
     if c.action == "recompute":
         return f"{c.text()}): adds about {format_seconds(c.seconds)} by the roofline"
     copy = H100.copy(c.bytes)
-    name = c.node.name
-    out = windows.out.get(name, 0.0) if windows else 0.0
-    back = windows.back.get(name, 0.0) if windows else 0.0
+    out = windows.out.get(c.node.name, 0.0)
+    back = windows.back.get(c.node.name, 0.0)
     return (f"{c.text()}, {format_seconds(copy)} each way under {format_seconds(out)} of forward "
             f"and {format_seconds(back)} of backward compute: "
             + ("hidden" if c.seconds <= 0 else f"not hidden, adds {format_seconds(c.seconds)}")
