@@ -10,7 +10,8 @@ to the unbudgeted peak. A row gives the predicted peak, the partitions the searc
 choices it kept and what they add by the H100 roofline (all read from the budget's summary in
 the report), and the wall time of the compile. ``--real`` adds the 4-layer Llama-3-8B FP8
 tensorwise step at seq 8192 on fake tensors (``graphpass.plan``), at 98%, 95% and 90% of its
-unbudgeted peak. docs/memory.md#memory_budget has the numbers.
+unbudgeted peak, with every choice the budget kept and its summary. docs/memory.md#memory_budget
+has the numbers.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def row(report, budget: int, seconds: float) -> str:
     note = summary(report)
     choices = re.search(r"; (\d+) choice\(s\), adding about ([\d.]+ \w+)", note)
     partitions = re.search(r"; (\d+) partition\(s\)", note)
+    read = re.search(r"everything at once \((\d+) choice\(s\) the backward reads\)", note)
     peak = report.meta["step_peak"]["bytes"]
     return (f"peak {peak:,} B ({'fits' if peak <= budget else 'OVER'}), "
-            f"{partitions.group(1)} partitions, {choices.group(1)} choices kept, adding "
-            f"{choices.group(2)}, {seconds:.1f} s")
+            f"{partitions.group(1)} partitions, {choices.group(1)} choices kept"
+            + (f" of {read.group(1)} the backward reads" if read else "")
+            + f", adding {choices.group(2)}, {seconds:.1f} s")
 
 
 def tiny(names: list[str], shares: list[float]) -> None:
@@ -98,7 +101,8 @@ def real(shares: list[float]) -> None:
             continue
         print(f"  {share:.0%}: budget {format_bytes(budget)}: "
               f"{row(report, budget, time.perf_counter() - start)}", flush=True)
-        print(f"    {summary(report)}", flush=True)
+        for note in (str(d) for d in report.decisions if d.what is What.BUDGETED):
+            print(f"    {note}", flush=True)
 
 
 def main() -> None:
