@@ -12,8 +12,8 @@ Each try is one partition with torch's min-cut and one prediction of its peak
 1. **Greedy**: of the saved tensors live at the peak, the cheapest choices per byte that cover
    the excess, kept where the peak fell. At real sizes a few such choices reach the budget
    (a 4-layer Llama-3-8B FP8 step: 95% with five). After ``GREEDY_MISSES`` tries that did not
-   lower the peak (a saving that needs several recomputes together, as where two layers' peaks
-   are of one height) it hands over to:
+   lower the peak (a saving that needs several recomputes together, as on the tiny two-layer
+   examples) it hands over to:
 2. **Everything at once**: every recomputable op recomputed, every eligible tensor offloaded;
    the choices the backward never reads then are dropped (they change nothing). Where that fits:
    the shortest run of the choices, cheapest per byte first, that fits (a bisection over its
