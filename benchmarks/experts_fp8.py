@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (median shown)")
     parser.add_argument("--cases", nargs="+", default=list(CASE_KEYS), choices=CASE_KEYS)
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--configs", nargs="+",
+                        help="only the configs whose label contains one of these (bf16, the "
+                             "baseline, always runs)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("experts_fp8.py: no CUDA device; run it on the GPU machine, or use "
@@ -184,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases(args.dry_run, args.cases):
         baseline = None
         for label, options in CONFIGS:
+            if (label != "bf16" and args.configs is not None
+                    and not any(c in label for c in args.configs)):
+                continue
             result, prof = run(case, options, device, codegen, steps, warmup,
                                with_profile=options.get("fp8") is not None)
             if label == "bf16":

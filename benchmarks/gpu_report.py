@@ -51,6 +51,7 @@ SECTIONS = ("## Machine", "## pytest -m gpu", "## Step time and activation memor
 TARGETS = {"llama": {"bf16": 1.25, "torchao": 1.05, "blockwise": 1.15},
            "gpt": {"bf16": 1.35, "torchao": 1.0}}
 MODEL_NAMES = {"llama": "Llama-3-8B layer, seq 8192", "gpt": "GPT-3 175B layer"}
+SECTION_KEYS = ("steps", "offload", "peak")
 PLAN_TOLERANCE = 0.05
 OFFLOAD_PEAK_CUT = 0.30
 OFFLOAD_SLOWDOWN = 0.05
@@ -232,8 +233,11 @@ class Report:
         return "\n".join(lines) + "\n"
 
 
-def step_section(report: Report, mode: Mode, models: list[str], deadline: float) -> dict:
-    """Step time and memory per model and config; returns the rows by model for the targets."""
+def step_section(report: Report, mode: Mode, models: list[str], deadline: float,
+                 configs: list[str] | None = None) -> dict:
+    """Step time and memory per model and config (those whose label contains one of ``configs``,
+    with the bf16 baseline always; every config when None); returns the rows by model for the
+    targets."""
     m = mode
     report.add("## Step time and activation memory", "",
                f"_{m.label}._ One training step (forward + backward, gradients seeded with ones), "
@@ -250,7 +254,9 @@ def step_section(report: Report, mode: Mode, models: list[str], deadline: float)
                    "measured / predicted | step peak | note |",
                    "|---|---|---|---|---|---|---|---|")
         rows: list[Row] = []
-        for label, options in step_configs(m):
+        for i, (label, options) in enumerate(step_configs(m)):
+            if i and configs is not None and not any(c in label for c in configs):
+                continue
             if time.monotonic() > deadline:
                 r = Result(model_name, label, note="skipped: the report's time budget ran out")
             else:
@@ -321,8 +327,8 @@ def _speed_target(report: Report, name: str, base: Row | None, row: Row | None,
                   f"measured {s:.2f}x" if s else missing)
 
 
-def judge(report: Report, by_model: dict[str, list[Row]], off: tuple[Result, Result, Result]
-          ) -> None:
+def judge(report: Report, by_model: dict[str, list[Row]],
+          off: tuple[Result, Result, Result] | None) -> None:
     for model_name, model_rows in by_model.items():
         rows = {row.result.config: row for row in model_rows}
         bf16 = next((r for c, r in rows.items() if c.startswith("bf16")), None)
@@ -357,6 +363,8 @@ def judge(report: Report, by_model: dict[str, list[Row]], off: tuple[Result, Res
                           None if match is None else abs(match - 1) <= PLAN_TOLERANCE,
                           f"measured / predicted = {match:.3f}" if match else
                           "memory not measured" + (" on CPU" if report.mode.dry_run else ""))
+    if off is None:  # the offload section was not asked for
+        return
     without, _, with_ = off  # the targets are for the offload that pays: hidden copies only
     cut = None if without.step_peak_bytes is None or with_.step_peak_bytes is None else \
         1 - with_.step_peak_bytes / without.step_peak_bytes
@@ -535,9 +543,11 @@ def peak_section(report: Report, mode: Mode, deadline: float) -> None:
 def build_report(*, dry_run: bool, models: list[str], steps: int | None = None,
                  budget_s: float = 480.0, pytest_timeout_s: int = 150,
                  run_pytest: bool = True, peak_budget_s: float = 240.0,
-                 peak_only: bool = False) -> str:
+                 peak_only: bool = False, configs: list[str] | None = None,
+                 sections: tuple[str, ...] = SECTION_KEYS) -> str:
     """The markdown report. ``budget_s`` bounds the whole run: configs still waiting when it is
-    spent are listed as skipped, so the report always comes out."""
+    spent are listed as skipped, so the report always comes out. ``configs`` and ``sections``
+    pick a part of it (a GPU lease too short for the whole)."""
     start = time.monotonic()
     mode = mode_for(dry_run, steps)
     report = Report(mode)
@@ -564,10 +574,13 @@ def build_report(*, dry_run: bool, models: list[str], steps: int | None = None,
         report.add("- not run (--no-pytest)", "")
 
     deadline = start + budget_s
-    by_model = step_section(report, mode, models, deadline)
-    off = offload_section(report, mode, deadline)
-    judge(report, by_model, off)
-    peak_section(report, mode, deadline + peak_budget_s)
+    by_model = step_section(report, mode, models, deadline, configs) if "steps" in sections else {}
+    if "offload" in sections:
+        judge(report, by_model, offload_section(report, mode, deadline))
+    else:
+        judge(report, by_model, None)
+    if "peak" in sections:
+        peak_section(report, mode, deadline + peak_budget_s)
     report.add(f"_Report written in {time.monotonic() - start:.0f} s._", "")
     return report.markdown()
 
@@ -584,10 +597,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-pytest", action="store_true", help="skip the pytest -m gpu section")
     parser.add_argument("--peak-only", action="store_true",
                         help="only the step-peak section: predicted vs measured peak, the budget")
+    parser.add_argument("--peak-budget-s", type=float, default=240.0,
+                        help="time budget of the step-peak section, after --budget-s")
+    parser.add_argument("--configs", nargs="+",
+                        help="only the step configs whose label contains one of these (the bf16 "
+                             "baseline always runs)")
+    parser.add_argument("--sections", nargs="+", default=list(SECTION_KEYS), choices=SECTION_KEYS,
+                        help="the sections to run after pytest")
     args = parser.parse_args(argv)
     text = build_report(dry_run=args.dry_run, models=args.models, steps=args.steps,
                         budget_s=args.budget_s, run_pytest=not args.no_pytest,
-                        peak_only=args.peak_only)
+                        peak_only=args.peak_only, peak_budget_s=args.peak_budget_s,
+                        configs=args.configs, sections=tuple(args.sections))
     Path(args.out).write_text(text)
     print(text)
     print(f"written to {args.out}", file=sys.stderr)

@@ -899,6 +899,28 @@ def test_blockwise_scale_layouts_pass_torchs_checks(gemm, recipe):
         call(sa, layouts[2])
 
 
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_blockwise_gemms_with_a_128x128_operand_never_ask_for_fast_accumulation(gemm, monkeypatch):
+    """cuBLASLt has no fast accumulation with 128x128 scales: torch raises "scaled_gemm doesn't
+    support fast accum with 128x128 blockwise scaling" (an H200, torch 2.11; the meta function
+    does not check it, so the CPU never saw it). The forward GEMM, fast under the default
+    ``fp8_accumulate="te"``, and every GEMM under ``"fast"`` accumulate precisely where the
+    weight's tiles are an operand; wgrad (1x128 x 1x128) keeps what it is asked for."""
+    from graphpass.fp8 import blockwise_gemm
+
+    asked = []
+
+    def record(a, b, *, use_fast_accum, out_dtype, **_):
+        asked.append(use_fast_accum)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(_compat, "blockwise_scaled_mm", record)
+    a, sa, b, sb, a_role, b_role = _blockwise_gemms()[gemm]
+    for fast in (True, False):
+        blockwise_gemm.gemm(a, sa, b, sb, a_role, b_role, torch.bfloat16, None, fast_accum=fast)
+    assert asked == [gemm == "wgrad", False]
+
+
 @pytest.mark.parametrize("recipe", ["blockwise", "blockwise_nopow2"])
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
 def test_blockwise_scale_layouts_mean_the_reference(gemm, recipe):

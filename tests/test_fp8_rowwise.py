@@ -551,3 +551,26 @@ def test_rowwise_lowers_every_gemm_tensorwise_lowers(name):
                        report.meta["fp8_coverage"]["fp8_share"])
     assert got["rowwise"] == got["tensorwise"] == got["tensorwise_e4m3"]
     assert any("experts" in n for n in got["rowwise"][0])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 128])
+def test_group_column_amax_is_each_groups_own_max(chunk):
+    """The rowwise grouped quantize's column maxima per token group (chunked, no scatter atomics)
+    equal each group's own max bit for bit, over random group ends: empty groups (0), groups
+    inside one chunk, groups over many, rows past the last group left out."""
+    import random
+
+    from graphpass.fp8 import ops
+
+    for trial in range(60):
+        rng = random.Random(trial)
+        torch.manual_seed(trial)
+        t, k = rng.randint(1, 400), rng.randint(1, 6)
+        ends = sorted(rng.randint(0, t) for _ in range(rng.randint(1, 10)))
+        a = torch.rand(t, k, dtype=rng.choice([torch.bfloat16, torch.float32])) * 10
+        got = ops._group_column_amax(a, torch.tensor(ends, dtype=torch.int32), chunk)
+        start = 0
+        for g, end in enumerate(ends):
+            want = a[start:end].amax(0) if end > start else torch.zeros(k, dtype=a.dtype)
+            assert torch.equal(got[g], want), (trial, g, start, end)
+            start = end

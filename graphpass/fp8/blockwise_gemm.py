@@ -73,6 +73,12 @@ def scale_layouts(a_scale_inv: Tensor, b_scale_inv: Tensor, a_role: str,
     return scale_a, "BlockWise1x128", padded.contiguous().t(), "BlockWise128x128"
 
 
+def fast_accumulation(fast_accum: bool, b_role: str) -> bool:
+    """Whether the blockwise GEMM whose second operand is a ``b_role`` may accumulate fast:
+    never with that operand's 128x128 scales (cuBLASLt refuses it)."""
+    return fast_accum and not _tiled(b_role)
+
+
 def _column_major(scale: Tensor) -> Tensor:
     """A 2-D scale with stride (1, rows): the transpose of its row-major transpose."""
     return scale.float().t().contiguous().t()
@@ -81,9 +87,14 @@ def _column_major(scale: Tensor) -> Tensor:
 def gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, a_role: str,
          b_role: str, out_dtype: torch.dtype, bias: Optional[Tensor], *,
          fast_accum: bool = False) -> Tensor:
-    """``dequant(a) @ dequant(b).T (+ bias)`` on torch's blockwise GEMM (a, b K-major)."""
+    """``dequant(a) @ dequant(b).T (+ bias)`` on torch's blockwise GEMM (a, b K-major).
+
+    ``fast_accum`` holds for 1x128 x 1x128 GEMMs only: cuBLASLt has no fast accumulation with
+    128x128 scales (torch raises "scaled_gemm doesn't support fast accum with 128x128 blockwise
+    scaling", seen on an H200 with torch 2.11), so the GEMMs with a weight operand accumulate
+    precisely whatever ``Config.fp8_accumulate`` says; ``fast_accumulation`` says the same."""
     scale_a, recipe_a, scale_b, recipe_b = scale_layouts(a_scale_inv, b_scale_inv, a_role, b_role)
     out = _compat.blockwise_scaled_mm(a, b.t(), scale_a=scale_a, recipe_a=recipe_a,
                                       scale_b=scale_b, recipe_b=recipe_b, out_dtype=out_dtype,
-                                      use_fast_accum=fast_accum)
+                                      use_fast_accum=fast_accumulation(fast_accum, b_role))
     return out if bias is None else out + bias.to(out_dtype)
