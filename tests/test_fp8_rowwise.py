@@ -171,7 +171,10 @@ E4M3_RECIPES = {"rowwise": {"fp8": "rowwise"},
                 "tensorwise_e4m3": {"fp8": "tensorwise", "fp8_format": "e4m3"}}
 
 
-def _step(model, inputs, kernels, recipe="rowwise", pow2=False, **options):
+def _step(model, inputs, kernels, recipe="rowwise", pow2=False, fixed_grad=False, **options):
+    """Outputs and gradients of one step. The loss is ``sum(y^2)``, or with ``fixed_grad`` a
+    seeded random gradient of ``y``: then the backward's FP8 operands do not depend on the
+    forward's rounding, so two kernels' gradients differ only as their GEMMs do."""
     torch._dynamo.reset()
     params = dict(model.named_parameters())
     for p in params.values():
@@ -181,7 +184,11 @@ def _step(model, inputs, kernels, recipe="rowwise", pow2=False, **options):
         codegen="eager", kernels=kernels, fp8_exclude=(), **options))
     inputs = [i.clone().requires_grad_() if i.is_floating_point() else i for i in inputs]
     y = compiled(*inputs)
-    y.float().square().sum().backward()
+    if fixed_grad:
+        g = torch.Generator(device=y.device).manual_seed(1)
+        y.backward(torch.randn(y.shape, generator=g, device=y.device).to(y.dtype))
+    else:
+        y.float().square().sum().backward()
     return [y.detach()] + [i.grad for i in inputs if i.is_floating_point()] + [
         p.grad.clone() for p in params.values()]
 
@@ -498,9 +505,14 @@ def test_tensorwise_experts_say_what_still_loops(form, monkeypatch):
 def test_rowwise_kernels_match_the_reference_on_cuda(form, recipe):
     """CUDA sm90+: rowwise torch._scaled_mm and torch._scaled_grouped_mm (forward, dgrad, wgrad,
     groups of 100, 0, 233, 179 tokens) against the reference provider on the same device: the
-    same FP8 operands and scales, fp32 accumulation in another order, so close, not equal. The
-    same for tensorwise with fp8_format='e4m3', whose expert GEMMs take the same grouped calls
-    (dense GEMMs: tensorwise torch._scaled_mm)."""
+    same FP8 operands and scales, accumulation in another order (and fast in the forward GEMM),
+    so close, not equal. The same for tensorwise with fp8_format='e4m3', whose expert GEMMs take
+    the same grouped calls (dense GEMMs: tensorwise torch._scaled_mm).
+
+    The backward is seeded with a fixed gradient: with ``sum(y^2)`` the gradient is ``2y``, so
+    the forward's few-ulp differences moved some of its values across an FP8 rounding boundary
+    (an E4M3 step is 6-12%), and the gradients differed by that (0.03-0.04 on 0.1-1% of their
+    elements on an H200), which says nothing about the kernels."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._scaled_grouped_mm needs sm90+")
     torch.manual_seed(0)
@@ -513,8 +525,8 @@ def test_rowwise_kernels_match_the_reference_on_cuda(form, recipe):
     model = model.to("cuda", torch.bfloat16)
     inputs = [i.to("cuda", torch.bfloat16) if i.is_floating_point() else i.to("cuda")
               for i in inputs]
-    ref = _step(model, inputs, "reference", **E4M3_RECIPES[recipe])
-    got = _step(model, inputs, "scaled_mm", **E4M3_RECIPES[recipe])
+    ref = _step(model, inputs, "reference", fixed_grad=True, **E4M3_RECIPES[recipe])
+    got = _step(model, inputs, "scaled_mm", fixed_grad=True, **E4M3_RECIPES[recipe])
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
 

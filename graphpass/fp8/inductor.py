@@ -123,14 +123,14 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
             x32 = (x.transpose(-2, -1) if columnwise else x).to(torch.float32)
             scale = _stored(recipes.row_scale(x32, recipe, role))
             out += [recipes.scaled_cast(x32, scale, recipe, role).contiguous(),
-                    torch.reciprocal(scale)]
+                    recipes.reciprocal(scale)]
         return out
     if x.dim() != 2 or recipes.block_shape(recipe, role) is not None:
         return ops._quantize(x, recipe, role, usage)  # the recipe as the op runs it
     amax = recipes._abs_amax(x, (0, 1)).to(torch.float32) if recipes._maybe_nonempty(x) else (
         x.new_zeros((), dtype=torch.float32))
     scale = _stored(recipes.tensorwise_scale(amax, recipe, role))
-    scale_inv = torch.reciprocal(scale)
+    scale_inv = recipes.reciprocal(scale)
     out: list[torch.Tensor] = []
     for columnwise in ops._COLUMNWISE[usage]:
         data = recipes.scaled_cast((x.t() if columnwise else x).to(torch.float32), scale, recipe,
@@ -190,14 +190,14 @@ def _fused_blockwise(x: torch.Tensor, recipe: str, role: str, usage: str) -> lis
         for columnwise in ops._COLUMNWISE[usage]:
             if columnwise:
                 s = scale.transpose(-2, -1)
-                out += [cast(x.transpose(-2, -1), s, bk, bm), torch.reciprocal(s).contiguous()]
+                out += [cast(x.transpose(-2, -1), s, bk, bm), recipes.reciprocal(s).contiguous()]
             else:
-                out += [cast(x, scale, bm, bk), torch.reciprocal(scale)]
+                out += [cast(x, scale, bm, bk), recipes.reciprocal(scale)]
         return out
     for columnwise in ops._COLUMNWISE[usage]:
         src = x.transpose(-2, -1) if columnwise else x
         scale = scale_of(tiles(src, 1, bk), (-1,))  # (..., R, C/128)
-        out += [cast(src, scale, 1, bk), torch.reciprocal(scale)]
+        out += [cast(src, scale, 1, bk), recipes.reciprocal(scale)]
     return out
 
 

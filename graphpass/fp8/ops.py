@@ -156,7 +156,7 @@ def _quantize_groups_blockwise(x: Tensor, recipe: str, role: str, offs: Tensor,
         0, column[:, None].expand(t, k), a, "amax")[:columns]
     scale = recipes.blockwise_scale(amax, recipe, role, x.dtype)
     used = torch.arange(columns, device=x.device) < blocks.sum()
-    scale_inv = torch.where(used[:, None], torch.reciprocal(scale), 1.0)
+    scale_inv = torch.where(used[:, None], recipes.reciprocal(scale), 1.0)
     token_scale = torch.cat([scale, scale.new_ones(1, k)])[column]  # (T, K)
     data = recipes.scaled_cast(torch.where(inside[:, None], x32, 0.0), token_scale, recipe, role)
     return [data.t().contiguous(), scale_inv.t().contiguous()]
@@ -170,7 +170,7 @@ def _quantize_experts_tensorwise(x: Tensor, recipe: str, role: str, usage: str) 
     amax = recipes._abs_amax(x32, (1, 2)) if x32.numel() else x32.new_zeros(x.shape[0])
     scale = recipes.tensorwise_scale(amax, recipe, role)
     data = recipes.scaled_cast(x32, scale[:, None, None], recipe, role)
-    scale_inv = torch.reciprocal(scale)
+    scale_inv = recipes.reciprocal(scale)
     out: list[Tensor] = []
     for columnwise in _COLUMNWISE[usage]:
         d = data.transpose(-2, -1) if columnwise else data
@@ -193,7 +193,7 @@ def _quantize_groups_tensorwise(x: Tensor, recipe: str, role: str, columnwise: b
     inside = (group < groups)[:, None]
     row_scale = torch.cat([scale, scale.new_ones(1)])[group][:, None]
     data = recipes.scaled_cast(torch.where(inside, x32, 0.0), row_scale, recipe, role)
-    return [(data.t() if columnwise else data).contiguous(), torch.reciprocal(scale)]
+    return [(data.t() if columnwise else data).contiguous(), recipes.reciprocal(scale)]
 
 
 def _quantize_experts_rowwise(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
@@ -232,7 +232,7 @@ def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) ->
     row_scale = torch.cat([scale, scale.new_ones((1, k))])[group]
     inside = (group < groups)[:, None]
     data = recipes.scaled_cast(torch.where(inside, x32, 0.0), row_scale, recipe, role)
-    return [data.t().contiguous(), torch.reciprocal(scale)]
+    return [data.t().contiguous(), recipes.reciprocal(scale)]
 
 
 SEGMENT_ROWS = 128  # rows per chunk of _group_column_amax's first, regular reduction

@@ -289,6 +289,15 @@ def compute_scale_from_amax(
     return torch.where(degenerate, 1.0, scale)
 
 
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` by IEEE fp32 division, as ``torch.reciprocal`` computes it in eager, and under
+    Inductor too: Inductor lowers ``reciprocal`` to a division of the int32 constant 1, which
+    its exact-division setting (``eager_numerics.division_rounding``, fp32 over fp32 only) does
+    not reach, so Triton's approximate ``div.full`` gave scale_inv an ulp off eager's (an H200,
+    torch 2.11: rowwise scales of large amaxes)."""
+    return torch.full_like(scale, 1.0) / scale
+
+
 def float_to_e8m0(val: torch.Tensor) -> torch.Tensor:
     """TE's ``float_to_e8m0`` (ptx_arch_spec.cuh, §5) of fp32 ``val >= 0``, as uint8.
 
@@ -407,7 +416,7 @@ def rowwise_quantize(x32: torch.Tensor, recipe: Recipe | str,
     data contiguous, scale_inv fp32 ``(..., R, 1)``. Every row on its own: a stack of matrices
     quantized at once is bit-identical to each quantized alone."""
     scale = row_scale(x32, recipe, role)
-    return scaled_cast(x32, scale, recipe, role).contiguous(), torch.reciprocal(scale)
+    return scaled_cast(x32, scale, recipe, role).contiguous(), reciprocal(scale)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -465,13 +474,13 @@ def quantize(
         if amax is None:
             amax = _abs_amax(x32, (0, 1)) if _maybe_nonempty(x32) else x32.new_zeros(())
         scale = tensorwise_scale(amax, recipe, role)
-        return scaled_cast(x32, scale, recipe, role).contiguous(), torch.reciprocal(scale)
+        return scaled_cast(x32, scale, recipe, role).contiguous(), reciprocal(scale)
 
     tiles = _tiles(x32, *block)
     amax = _abs_amax(tiles, (1, 3))
     if recipe.name == "blockwise":
         scale = blockwise_scale(amax, recipe, role, x.dtype)
-        scale_inv = torch.reciprocal(scale)
+        scale_inv = reciprocal(scale)
     else:
         scale_inv = float_to_e8m0(amax * _MAX_NORM_RCP[dtype])
         scale = _e8m0_reciprocal(scale_inv.to(torch.int32))
