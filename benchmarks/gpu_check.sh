@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU checks that fit a 15-minute GPU lease (one H100 or H200; at most 8.5 minutes of commands, about 5 as measured
+# here, the machine's start apart), every stage bounded by its own timeout, so that a stage that
+# hangs or fails leaves the others' results. From the repository root on the GPU machine:
+#
+#     bash benchmarks/gpu_check.sh [OUT]        # OUT: where the reports go (default gpu_check/)
+#
+# torchao float8, the step-time baseline, is installed from the wheels in .whl/ when there are
+# any (the GPU machine has no network; `pip download --no-deps torchao==0.17.0 -d .whl` on a
+# machine that has). Stages, in the order of what they decide:
+#   1. steps.md     real-size Llama-3-8B and GPT-3 layers: bf16 Inductor, graphpass FP8
+#                   tensorwise (default) and blockwise (kernels=auto), torchao float8; the
+#                   measured activations against graphpass.plan; PASS/FAIL lines
+#   2. experts.md   16 DeepSeek-V3-shaped experts over 8,192 and 32,768 routed tokens: bf16
+#                   against FP8 rowwise and tensorwise e4m3, with their kernel profiles
+#   3. profile_llama.txt   the kernels of the FP8 Llama step, largest first
+#   4. pytest_gpu.txt      pytest -m gpu
+# The whole report (every config, offload, the step peak and the memory budget) is
+# benchmarks/gpu_report.py, which needs a longer lease.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-gpu_check}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}."
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu_check_site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"; } > "$out/machine.txt" 2>&1
+
+stage() {  # name, timeout in seconds, command...
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "$name: exit $? after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/stages.txt"
+}
+stage steps 200 python3 benchmarks/gpu_report.py --models llama gpt --no-pytest --sections steps \
+    --budget-s 180 --configs "scaled_mm, default" blockwise torchao --out "$out/steps.md"
+stage experts 150 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
+    --configs rowwise "tensorwise e4m3" --out "$out/experts.md"
+stage profile_llama 60 python3 benchmarks/profile_step.py --model llama --fp8 tensorwise \
+    --kernels scaled_mm --top 30
+stage pytest_gpu 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/
+cat "$out/machine.txt" "$out/stages.txt"
+grep -hE "^- (PASS|FAIL|NOT)|^\| (bf16|graphpass|torchao|experts)" "$out/steps.md" "$out/experts.md" 2>/dev/null
+tail -n 3 "$out/pytest_gpu.log"
