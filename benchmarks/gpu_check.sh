@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks that fit a 15-minute GPU lease (one H100 or H200): at most 8.5 minutes of
 # commands, the machine's start apart (about 5 in the first run), every stage bounded by its own
-# timeout, so that a stage that hangs or fails leaves the others' results. From the repository root on the GPU machine:
+# timeout, so that a stage that hangs or fails leaves the others' results. From the repository
+# root on the GPU machine:
 #
 #     bash benchmarks/gpu_check.sh [OUT]        # OUT: where the reports go (default gpu_check/)
 #
