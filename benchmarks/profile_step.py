@@ -4,8 +4,9 @@
     PYTHONPATH=. python benchmarks/profile_step.py --model llama              # bf16, for comparison
 
 One real-size layer, bf16 weights, a few steps after warm-up under ``torch.profiler``; prints the
-kernels by total CUDA time (self time, summed over the profiled steps, divided by the step count)
-and the time spent in GEMM kernels (attention apart) and in everything else.
+kernels by total CUDA time (self time, summed over the profiled steps, divided by the step count),
+the time spent in GEMM kernels (attention apart) and in everything else, and the ATen ops that
+launched kernels outside Inductor's code, with their input shapes.
 """
 
 from __future__ import annotations
@@ -87,6 +88,30 @@ def main() -> None:
     for e in events[:args.top]:
         print(f"{e.self_device_time_total / args.steps / 1e3:8.3f} {e.count / args.steps:10.1f}  "
               f"{e.key[:110]}")
+    eager_ops(step, args.steps, args.top)
+
+
+def eager_ops(step, steps: int, top: int) -> None:
+    """The ATen ops that launched device work, with their input shapes, from a second profile
+    with the CPU side recorded (kept apart from the kernel times above, which CPU events would
+    count twice): extern kernels (GEMMs, attention), eager ops outside Inductor's code (an
+    autograd accumulation's ``add``) and copies, so an eager kernel of the list above can be
+    traced to the op and tensors that launched it. Inductor's own Triton kernels have no ATen
+    op and do not appear."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    print(f"\nATen ops that launched kernels (their own kernels' time), by input shapes:")
+    print(f"{'ms/step':>8} {'calls/step':>10}  op  input shapes")
+    for e in ops[:top]:
+        print(f"{e.self_device_time_total / steps / 1e3:8.3f} {e.count / steps:10.1f}  "
+              f"{e.key}  {str(e.input_shapes)[:120]}")
 
 
 if __name__ == "__main__":
