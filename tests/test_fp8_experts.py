@@ -577,12 +577,18 @@ def test_scaled_mm_calls_follow_cublaslt_rules(monkeypatch):
 def test_scaled_grouped_mm_matches_the_reference_on_cuda(offsets):
     """CUDA: the forward as one torch._scaled_grouped_mm, dgrad/wgrad per group (_scaled_mm),
     against the reference provider on the same device: same quantized operands, fp32
-    accumulation in another order, so close, not equal."""
+    accumulation in another order, so close, not equal. Rows past offs[-1] (ragged: 500 of
+    512) are compared in the weight gradient only, where they must count for nothing: the
+    output and input-gradient rows there are what the grouped kernel leaves, unwritten, as
+    torch's own _grouped_mm leaves them (0 from the reference)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._scaled_grouped_mm needs sm90+")
     ref = _compiled_token_groups("tensorwise", "reference", "cuda", offsets)
     got = _compiled_token_groups("tensorwise", "scaled_mm", "cuda", offsets)
-    for r, g in zip(ref, got):
+    end = OFFSETS[offsets][-1]
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if i < 2:  # the output and the input gradient: rows of the groups
+            r, g = r[:end], g[:end]
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
 
 

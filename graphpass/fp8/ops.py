@@ -391,7 +391,9 @@ def fp8_gemm(
     With ``offs`` (``torch._grouped_mm``'s group ends over the tokens, see ``_quantize_groups``
     for the scale layouts): a (T, K) x b (G, N, K) gives (T, N), token group g times b[g]
     (forward, dgrad); a (M, T) x b (N, T) gives (G, M, N), group g's tokens contracted
-    (wgrad). Rows past ``offs[-1]`` and empty groups' outputs are 0.
+    (wgrad). Rows past ``offs[-1]`` are 0 from the reference provider and the CPU emulation,
+    and unwritten on CUDA, as torch's ``_grouped_mm`` leaves them; empty groups' wgrad outputs
+    are 0.
 
     ``accumulate`` (``Config.fp8_accumulate``): ``"te"`` (fast accumulation where neither operand
     is a gradient, i.e. the forward GEMM), ``"fast"`` or ``"precise"``.
