@@ -68,7 +68,7 @@ class ReportBuilder:
             *self.plan.decisions,
             *(Decision(What.FLOPS_ESTIMATED, "flops", f"{op} ({why})")
               for op, why in self.estimated.items()),
-            *self._fusion_notes(fw, bw),
+            *self._fusion_notes(),
             *outcome,
             *copy_notes(offload_copies(fw, bw), synchronous=self.config.offload_stream is False),
             *collective_notes(fw, bw),  # a tensor/sequence-parallel rank's communication
@@ -85,7 +85,7 @@ class ReportBuilder:
             report.meta["fp8_coverage"] = self.fp8_coverage
         return report
 
-    def _fusion_notes(self, fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
+    def _fusion_notes(self) -> list[Decision]:
         """Where the backend leaves quantizes as one op although ``fuse_quantize`` asks to inline
         them: say which and why."""
         config = self.config
@@ -93,7 +93,7 @@ class ReportBuilder:
             return []
         return fusion_notes(device_types={p.meta["val"].device.type for p in self.plan.primals
                                           if isinstance(p.meta.get("val"), torch.Tensor)},
-                            recipe=config.fp8_recipe, graphs=(fw.graph, bw.graph))
+                            recipe=config.fp8_recipe)
 
 
 def remember(report: Report) -> None:

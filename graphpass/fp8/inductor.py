@@ -53,10 +53,9 @@ def inlinable(recipe: str) -> bool:
     return recipes.get_recipe(recipe).name in INLINED_RECIPES
 
 
-def fusion_notes(*, device_types: set[str], recipe: str | None = None,
-                 graphs: tuple[fx.Graph, ...] = ()) -> list[Decision]:
+def fusion_notes(*, device_types: set[str], recipe: str | None = None) -> list[Decision]:
     """The report's decisions for the quantizes ``fuse_quantize`` leaves as one op on these
-    devices, under ``recipe``, in the partitioned ``graphs``."""
+    devices, under ``recipe``."""
     if not _compat.inductor_rounds_fused_casts(device_types=device_types):
         return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
             f"torch {_compat.TORCH_VERSION_STR}'s Inductor CPU code does not round fused bf16 "
