@@ -141,9 +141,8 @@ def _quantize_groups_blockwise(x: Tensor, recipe: str, role: str, offs: Tensor,
     groups = offs.shape[0]
     columns = grouped_scale_blocks(t, groups, block)
     x32 = x.to(torch.float32)
-    group = _group_of_rows(offs, t)
-    ends = offs.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    group = providers.group_of_rows(offs, t)
+    starts, ends = providers.group_bounds(offs)
     blocks = (ends - starts + block - 1) // block
     first = torch.cumsum(blocks, 0) - blocks  # each group's first scale column
     inside = group < groups
@@ -186,7 +185,7 @@ def _quantize_groups_tensorwise(x: Tensor, recipe: str, role: str, columnwise: b
     past ``offs[-1]`` are 0 (inf and NaN too); an empty group's amax is 0, so its scale is 1."""
     t, groups = x.shape[0], offs.shape[0]
     x32 = x.to(torch.float32)
-    group = _group_of_rows(offs, t)  # `groups` for rows past the end
+    group = providers.group_of_rows(offs, t)  # `groups` for rows past the end
     row_amax = recipes._abs_amax(x32, (1,)) if x32.numel() else x32.new_zeros(t)
     amax = x32.new_zeros(groups + 1).scatter_reduce(0, group, row_amax, "amax")[:groups]
     scale = recipes.tensorwise_scale(amax, recipe, role)
@@ -206,13 +205,6 @@ def _quantize_experts_rowwise(x: Tensor, recipe: str, role: str, usage: str) -> 
     return out
 
 
-def _group_of_rows(offs: Tensor, t: int) -> Tensor:
-    """Each of ``t`` rows' token group from ``offs`` (int64, ``len(offs)`` past the last group),
-    on the device: no host sync."""
-    return torch.searchsorted(offs, torch.arange(t, device=offs.device, dtype=offs.dtype),
-                              right=True).long()
-
-
 def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) -> list[Tensor]:
     """The columnwise rowwise copy of token-grouped (T, K) ``x`` (the wgrad operand): data (K, T),
     each of x's columns scaled per token group, scales (G, K) fp32: group g's K scales
@@ -223,7 +215,7 @@ def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) ->
     t, k = x.shape
     groups = offs.shape[0]
     x32 = x.to(torch.float32)
-    group = _group_of_rows(offs, t)
+    group = providers.group_of_rows(offs, t)
     # |x| and its max in x's own dtype (exact): no fp32 copy of x for the reduction to read
     a = x.abs()
     a = torch.where(torch.isnan(a), 0.0, a)
@@ -253,8 +245,7 @@ def _group_column_amax(a: Tensor, offs: Tensor, chunk: int = SEGMENT_ROWS) -> Te
     n_chunks = -(-t // chunk)
     padded = torch.nn.functional.pad(a, (0, 0, 0, n_chunks * chunk - t))
     chunk_max = padded.view(n_chunks, chunk, k).amax(1)  # (C, K)
-    ends = offs.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    starts, ends = providers.group_bounds(offs)
     first = torch.arange(n_chunks, device=a.device) * chunk  # each chunk's first row
     whole = (first[None, :] >= starts[:, None]) & (first[None, :] + chunk <= ends[:, None])
     inner = torch.where(whole[:, :, None], chunk_max[None], 0).amax(1)  # (G, K)

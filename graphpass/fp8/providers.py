@@ -217,9 +217,17 @@ def rowwise_grouped_2d3d(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv:
     return out.to(out_dtype)
 
 
-def _group_of_rows(offs: Tensor, t: int) -> Tensor:
+def group_of_rows(offs: Tensor, t: int) -> Tensor:
+    """Each of ``t`` rows' token group from ``offs`` (int64, ``len(offs)`` past the last group),
+    on the device: no host sync."""
     return torch.searchsorted(offs, torch.arange(t, device=offs.device, dtype=offs.dtype),
-                              right=True)
+                              right=True).long()
+
+
+def group_bounds(offs: Tensor) -> tuple[Tensor, Tensor]:
+    """Each token group's first row and the row past its last (int64), on the device."""
+    ends = offs.long()
+    return torch.cat([ends.new_zeros(1), ends[:-1]]), ends
 
 
 def rowwise_grouped_2d2d(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
@@ -245,13 +253,12 @@ def aligned_token_positions(offs: Tensor, t: int, align: int = 16) -> tuple[Tens
     bound, ``ceil(T / align) * align + align * G``). Tokens past ``offs[-1]`` go after the last
     group."""
     groups = offs.shape[0]
-    ends = offs.long()
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_sizes = (sizes + align - 1) // align * align
+    starts, ends = group_bounds(offs)
+    padded_sizes = (ends - starts + align - 1) // align * align
     padded_ends = torch.cumsum(padded_sizes, 0)
     base = torch.cat([padded_ends - padded_sizes, padded_ends[-1:]])  # where each group starts
-    first = torch.cat([ends - sizes, ends[-1:]])  # ... and started (past the end: offs[-1])
-    group = _group_of_rows(offs, t).long()
+    first = torch.cat([starts, ends[-1:]])  # ... and started (past the end: offs[-1])
+    group = group_of_rows(offs, t)
     positions = base[group] + torch.arange(t, device=offs.device) - first[group]
     padded = -(-t // align) * align + align * groups
     return positions, padded_ends.to(torch.int32), padded
@@ -319,11 +326,11 @@ def tensorwise_grouped(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: T
     kernel scales rows of a and columns of b, so each scale is given to each row it scales, in
     its own contiguous allocation. Forward and dgrad (b (G, N, K)): a (T, K) with one scale per
     token group becomes (T,) (rows past ``offs[-1]`` take the last group's; their outputs are
-    ``rowwise_grouped_2d3d``'s), b's one per expert (G, N). Wgrad (a (M, T), b (N, T), one scale per group each):
-    (G, M) and (G, N)."""
+    ``rowwise_grouped_2d3d``'s), b's one per expert (G, N). Wgrad (a (M, T), b (N, T), one scale
+    per group each): (G, M) and (G, N)."""
     groups = offs.shape[0]
     if b.dim() == 3:
-        rows = _group_of_rows(offs, a.shape[0]).clamp(max=groups - 1)
+        rows = group_of_rows(offs, a.shape[0]).clamp(max=groups - 1)
         return rowwise_grouped_2d3d(a, a_scale_inv.float()[rows], b,
                                     _per_group(b_scale_inv, b.shape[1]), offs, out_dtype,
                                     fast_accum=fast_accum)
