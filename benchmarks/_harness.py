@@ -45,6 +45,13 @@ def reason(error: BaseException) -> str:
     return first.split(";")[0].split(", or use")[0]
 
 
+def is_gemm(kernel: str) -> bool:
+    """Whether a kernel's name is a GEMM's: cuBLAS(Lt) and CUTLASS, cuDNN attention apart."""
+    name = kernel.lower()
+    return (any(k in name for k in ("nvjet", "gemm", "cutlass"))
+            and not any(k in name for k in ("sdpa", "fmha", "flash", "attention")))
+
+
 def step_ms(step: Callable[[], None], steps: int) -> float:
     """Median milliseconds of one call of ``step`` over ``steps`` calls, timed by torch's benchmark
     timer (it synchronizes the accelerator around each, so a CUDA step is timed to its end)."""

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
-from _harness import Result, measure, reason  # noqa: E402
+from _harness import Result, is_gemm, measure, reason  # noqa: E402
 
 # The speed targets: FP8 rowwise against bf16 in the same run.
 TARGETS = {"experts, 32,768 tokens": 1.25, "experts, 8,192 tokens": 1.0, "DeepSeek-V3 layer": 0.9}
@@ -83,13 +83,6 @@ class Profile:
     gemm_launches: float  # per step
     copies: float  # per step
     top: list[tuple[float, float, str]]  # (ms per step, calls per step, name)
-
-
-def is_gemm(name: str) -> bool:
-    """cuBLAS(Lt) and CUTLASS GEMM kernels (attention kernels apart)."""
-    name = name.lower()
-    return (any(k in name for k in ("nvjet", "gemm", "cutlass"))
-            and not any(k in name for k in ("sdpa", "fmha", "flash", "attention")))
 
 
 def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:

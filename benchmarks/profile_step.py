@@ -20,7 +20,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # experts: benchmarks/_experts.py
 import graphpass  # noqa: E402
+from _harness import is_gemm  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +39,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # experts: benchmarks/_experts.py
     module = "_experts" if args.model == "experts" else f"examples.{args.model}"
     model, inputs = importlib.import_module(module).build(
         "real", layers=1, device="cuda", dtype=torch.bfloat16)
@@ -76,11 +77,6 @@ def main() -> None:
     print(f"{args.model}, {'torch default' if args.default_backend else backend!r}: "
           f"{total:.2f} ms of kernels per step; {wall:.2f} ms per step unprofiled (the rest is "
           f"the GPU waiting on the host: Python, launches, host syncs)")
-
-    def is_gemm(name: str) -> bool:  # cuBLAS(Lt) and CUTLASS GEMMs; cuDNN attention is not one
-        name = name.lower()
-        return (any(k in name for k in ("nvjet", "gemm", "cutlass"))
-                and not any(k in name for k in ("sdpa", "fmha", "flash", "attention")))
 
     gemm = sum(e.self_device_time_total for e in events if is_gemm(e.key)) / args.steps / 1e3
     print(f"GEMM kernels: {gemm:.2f} ms ({gemm / total:.0%}); other: {total - gemm:.2f} ms")
