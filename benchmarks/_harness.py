@@ -45,6 +45,12 @@ def reason(error: BaseException) -> str:
     return first.split(";")[0].split(", or use")[0]
 
 
+def picked(label: str, configs: Sequence[str] | None) -> bool:
+    """Whether a config runs under a ``--configs`` filter: its label contains one of
+    ``configs`` (every config when None). Callers run their baseline whatever it says."""
+    return configs is None or any(c in label for c in configs)
+
+
 def is_gemm(kernel: str) -> bool:
     """Whether a kernel's name is a GEMM's: cuBLAS(Lt) and CUTLASS, cuDNN attention apart."""
     name = kernel.lower()

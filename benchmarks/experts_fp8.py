@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
-from _harness import Result, is_gemm, measure, reason  # noqa: E402
+from _harness import Result, is_gemm, measure, picked, reason  # noqa: E402
 
 # The speed targets: FP8 rowwise against bf16 in the same run.
 TARGETS = {"experts, 32,768 tokens": 1.25, "experts, 8,192 tokens": 1.0, "DeepSeek-V3 layer": 0.9}
@@ -180,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases(args.dry_run, args.cases):
         baseline = None
         for label, options in CONFIGS:
-            if (label != "bf16" and args.configs is not None
-                    and not any(c in label for c in args.configs)):
+            if label != "bf16" and not picked(label, args.configs):
                 continue
             result, prof = run(case, options, device, codegen, steps, warmup,
                                with_profile=options.get("fp8") is not None)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
 from graphpass.report import format_bytes  # noqa: E402
-from _harness import Result, reason  # noqa: E402
+from _harness import Result, picked, reason  # noqa: E402
 from step_time import run_config  # noqa: E402
 
 SECTIONS = ("## Machine", "## pytest -m gpu", "## Step time and activation memory",
@@ -255,7 +255,7 @@ def step_section(report: Report, mode: Mode, models: list[str], deadline: float,
                    "|---|---|---|---|---|---|---|---|")
         rows: list[Row] = []
         for i, (label, options) in enumerate(step_configs(m)):
-            if i and configs is not None and not any(c in label for c in configs):
+            if i and not picked(label, configs):  # the first, bf16, is the baseline
                 continue
             if time.monotonic() > deadline:
                 r = Result(model_name, label, note="skipped: the report's time budget ran out")
