@@ -430,9 +430,9 @@ def test_aligned_token_positions():
                          ids=["rowwise", "tensorwise_e4m3", "blockwise"])
 def test_grouped_quantizes_are_inlined_and_bit_identical_to_the_op(options, k, monkeypatch):
     """With Inductor (CPU), rowwise, tensorwise and blockwise quantizes, the token-grouped ones
-    included (per-(group, column), per-group and per-block scales), are inlined after the partition: the generated
-    code calls no graphpass.quantize, and outputs and gradients are bit-identical to the opaque
-    op's (fuse_quantize=False), under the same precision settings."""
+    included (per-(group, column), per-group and per-block scales), are inlined after the
+    partition: the generated code calls no graphpass.quantize, and outputs and gradients are
+    bit-identical to the opaque op's (fuse_quantize=False), under the same precision settings."""
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 

@@ -13,8 +13,8 @@ The tensorwise, rowwise and blockwise recipes are inlined: they are the ones the
 scale is local to its row (one reduction along it). A blockwise scale is local to its 1x128
 block or 128x128 tile (``_fused_blockwise``). Quantizes over token groups (offsets: an expert
 GEMM's operands) are device ops without a host sync (each token's group, or its block within
-the group, from the offsets; the groups' or blocks' amaxes one scatter-max), so they are inlined
-too. Every mxfp8 quantize stays one op (``fusion_notes`` says so in the report).
+the group, from the offsets; rowwise's per-(group, column) amaxes reduced over row chunks, the
+tensorwise groups' and the blockwise blocks' amaxes one scatter-max), so they are inlined too. Every mxfp8 quantize stays one op (``fusion_notes`` says so in the report).
 
 Numerics. Fusing is a speed decision, held to a bound, not to the opaque op's bits: each
 dequantized FP8 value of a fused quantize is within one FP8 ulp of the opaque op's (the bound the
