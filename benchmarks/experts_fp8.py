@@ -70,6 +70,9 @@ CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("FP8 tensorwise e4m3/scaled_mm", {"fp8": "tensorwise", "fp8_format": "e4m3",
                                        "kernels": "scaled_mm"}),
     ("FP8 tensorwise/scaled_mm", {"fp8": "tensorwise", "kernels": "scaled_mm"}),
+    # the peer: torchao's MoE FP8 training (rowwise, its own Triton quantize kernels) on the
+    # experts' _grouped_mm weights, under torch.compile's default Inductor
+    ("torchao MoE FP8 rowwise", {"torchao_moe": True}),
 ]
 # The configs whose expert GEMMs are one grouped kernel each: judged for a per-expert loop.
 GROUPED = {"FP8 rowwise/scaled_mm": "FP8 rowwise", "FP8 tensorwise e4m3/scaled_mm":
@@ -120,14 +123,20 @@ def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
 def run(case: Case, options: dict[str, object], device: torch.device, codegen: str, steps: int,
         warmup: int, with_profile: bool) -> tuple[Result, Profile | None]:
     result = Result(case.label, "")
-    try:
-        backend = graphpass.backend(codegen=codegen, **options)
-    except ValueError as e:
-        result.note = f"skipped: {reason(e)}"
-        return result, None
     torch._dynamo.reset()
     model, inputs = importlib.import_module(case.module).build(
         case.size, layers=1, device=device, dtype=torch.bfloat16)
+    if options.get("torchao_moe"):
+        backend, note = _torchao_moe(model, case, device)
+        if note:
+            result.note = f"skipped: {note}"
+            return result, None
+    else:
+        try:
+            backend = graphpass.backend(codegen=codegen, **options)
+        except ValueError as e:
+            result.note = f"skipped: {reason(e)}"
+            return result, None
     compiled = torch.compile(model, backend=backend)
     measure(result, model, inputs, compiled, device, steps, warmup)
     if not with_profile or result.ms is None:
@@ -146,6 +155,24 @@ def run(case: Case, options: dict[str, object], device: torch.device, codegen: s
     except Exception as e:  # a profiler failure leaves the timing standing
         result.note = f"profile failed: {reason(e)}"
         return result, None
+
+
+def _torchao_moe(model: torch.nn.Module, case: Case,
+                 device: torch.device) -> tuple[object, str | None]:
+    """Converts ``model``'s expert weights to torchao's FP8 rowwise MoE training tensors: the
+    backend to compile with, or why it cannot run here."""
+    if case.module != "_experts":
+        return None, "torchao's MoE training converts torch._grouped_mm weights only"
+    if device.type != "cuda":
+        return None, "torchao's MoE FP8 kernels need CUDA"
+    try:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization import quantize_
+    except Exception as e:  # not installed, or built for another torch
+        return None, f"torchao.prototype.moe_training not importable ({reason(e)})"
+    quantize_(model, Float8TrainingOpConfig(),
+              filter_fn=lambda module, fqn: fqn.endswith("experts"))
+    return "inductor", None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{where}; torch {torch.__version__}; one training step (fw+bw), median of {steps} "
              f"steps after {warmup} warm-up; speedup = bf16 median / this median, same run.", "",
              "## Step time", "",
-             "| case | config | median ms | vs bf16 | kernel ms | GEMM ms | GEMM launches/step "
-             "| copies/step | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| case | config | median ms | vs bf16 | step peak MiB | kernel ms | GEMM ms "
+             "| GEMM launches/step | copies/step | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     speedups: dict[tuple[str, str], float] = {}
     profiles: dict[tuple[str, str], Profile] = {}
     for case in cases(args.dry_run, args.cases):
@@ -183,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             if label != "bf16" and not picked(label, args.configs):
                 continue
             result, prof = run(case, options, device, codegen, steps, warmup,
-                               with_profile=options.get("fp8") is not None)
+                               with_profile=options.get("fp8") is not None
+                               or bool(options.get("torchao_moe")))
             if label == "bf16":
                 baseline = result.ms
             speedup = baseline / result.ms if baseline and result.ms else None
@@ -193,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 profiles[(case.label, label)] = prof
             cells = [case.label, label, f"{result.ms:.2f}" if result.ms else "-",
                      f"{speedup:.2f}x" if speedup else "-",
+                     f"{result.step_peak_bytes / 2**20:.1f}" if result.step_peak_bytes else "-",
                      *(([f"{prof.kernel_ms:.2f}", f"{prof.gemm_ms:.2f}", f"{prof.gemm_launches:g}",
                          f"{prof.copies:g}"]) if prof else ["-"] * 4), result.note]
             lines.append("| " + " | ".join(cells) + " |")
