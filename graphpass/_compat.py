@@ -655,6 +655,31 @@ def inductor_lowering_tables() -> tuple[Any, frozenset[Any], frozenset[Any]]:
             frozenset(lowering.needs_realized_inputs))
 
 
+def register_persistent_outputs(op: Any) -> None:
+    """Lower ``op`` (an OpOverload) as Inductor's extern fallback kernel whose outputs Inductor
+    never reuses: no later buffer is allocated in their memory and no kernel updates them in
+    place once the graph stops reading them (``GraphLowering.never_reuse_buffers``, read by the
+    wrapper's ``can_reuse``). For an op whose outputs outlive the graph (the weight cache's
+    copies). Idempotent."""
+    from torch._inductor import lowering
+    from torch._inductor.virtualized import V
+    from torch.utils import _pytree
+
+    if getattr(lowering.lowerings.get(op), "graphpass_persistent", False):
+        return
+    fallback = lowering.fallback_handler(op, add_to_fallback_set=False)
+
+    def lower(*args: Any, **kwargs: Any) -> Any:
+        outputs = fallback(*args, **kwargs)
+        for out in _pytree.tree_leaves(outputs):
+            if hasattr(out, "get_name"):
+                V.graph.never_reuse_buffers.add(out.get_name())
+        return outputs
+
+    lowering.register_lowering(op, type_promotion_kind=None)(lower)
+    lowering.lowerings[op].graphpass_persistent = True
+
+
 # The ops that make Inductor realize an elementwise value read more than once, on a CPU
 # (``StorageBox.should_realize_on_reuse``'s ``heavy_ops``): 2.13 and 2.15 list these seven, 2.11
 # only exp and sigmoid (2.12 not checked).

@@ -114,6 +114,10 @@ class Backend:
         from .fp8.inductor import INLINED_RECIPES, post_grad_pass
 
         patches: dict[str, Any] = {"custom_partitioner_fn": self.partitioner}
+        if self.config.fp8_weight_cache:
+            from .fp8.weight_cache import QUANTIZE_WEIGHT
+
+            _compat.register_persistent_outputs(QUANTIZE_WEIGHT)
         exact = _compat.inductor_rounds_fused_casts(
             device_types=[x.device.type for x in example_inputs if isinstance(x, torch.Tensor)])
         if self.config.fuse_quantize and self.config.fp8 in INLINED_RECIPES and exact:

@@ -126,6 +126,16 @@ class Config:
     backward re-quantizes dgrad's copy from the resident parameter: no memory, one more read of
     the weight. A memory decision: gradients are bit-identical either way."""
 
+    fp8_weight_cache: bool = False
+    """Quantize each lowered weight once per optimizer step: with gradient accumulation, the
+    first micro-batch after the weight changed quantizes both of its FP8 copies and the others
+    reuse them (keyed on the parameter's version counter: an optimizer step, ``load_state_dict``
+    or an in-place edit invalidates them; writes through ``p.data`` do not, see
+    ``graphpass.clear_weight_cache``). The copies are held between steps, 1 byte per element and
+    copy (as much as the bf16 weight for a weight with dgrad), listed in the report and counted
+    in the step peak. A memory decision: gradients are bit-identical either way
+    (docs/fp8.md#fp8_weight_cache)."""
+
     recompute: tuple[RecomputeModule, ...] = ()
     """Output-discarding recompute, in Megatron's words: ``layernorm``, ``act``, ``moe_act``,
     ``core_attn``, ``mlp``, ``moe``, ``shared_experts``, ``mla_up_proj``, or ``full`` layers."""
@@ -242,6 +252,7 @@ class Config:
             _type("fp8_pow2_scales", self.fp8_pow2_scales, bool)
         _type("fp8_all_gather", self.fp8_all_gather, bool)
         _type("fp8_weight_once", self.fp8_weight_once, bool)
+        _type("fp8_weight_cache", self.fp8_weight_cache, bool)
         for name in ("fp8_exclude", "save_original_modules", "recompute", "recompute_include",
                      "offload_exclude"):
             _patterns(self, name)
@@ -351,6 +362,7 @@ def _combinations(config: Config) -> None:
         ("offload_exclude", config.offload, "offload=True"),
         ("save_original_modules", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_weight_once", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
+        ("fp8_weight_cache", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_min_gemm_flops", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_accumulate", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_cost_model", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),

@@ -35,6 +35,8 @@ class What(enum.Enum):
     NOT_FP8_ALL_GATHER = "fp8 all-gather: not for {module}: {why}"
     REQUANTIZED = "save original: {module} re-quantizes its saved input in the backward"
     WEIGHT_ONCE = "fp8_weight_once: {module}: {why}"
+    WEIGHT_CACHED = "fp8_weight_cache: {module}: {why}"
+    WEIGHT_NOT_CACHED = "fp8_weight_cache: not cached: {module}: {why}"
     # quantize before dispatch: the routed experts' input re-gathered in the backward
     REGATHERED = "dispatch: {module}: {why}"
     NOT_REGATHERED = "dispatch: {module}: not re-gathered: {why}"

@@ -16,6 +16,7 @@ from .min_cut import exact_partition, min_cut, partition_peak
 from .passes.canonicalize import canonicalize
 from .passes.fp8_all_gather import fp8_all_gather
 from .passes.fp8_cache import fp8_cache
+from .passes.fp8_weight_cache import fp8_weight_cache
 from .passes.lower_fp8 import lower_fp8
 from .passes.memory_budget import memory_budget
 from .passes.offload import offload, offload_hidden
@@ -31,7 +32,8 @@ __all__ = ["PASSES", "Partition", "last_report", "partition", "run"]
 # Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and records the
 # decisions a user should see; listed in the order they run.
 PASSES: tuple[Callable[[fx.GraphModule, Plan, Config], None], ...] = (
-    canonicalize, lower_fp8, save_original, fp8_all_gather, recompute, offload, plan_memory,
+    canonicalize, lower_fp8, save_original, fp8_weight_cache, fp8_all_gather, recompute, offload,
+    plan_memory,
     # exact, and weighed on torch's min-cut of the plan the passes above tagged
     regather,
     # lossy and opt-in: after the exact passes, FP8 copies of what their plan still saves

@@ -104,6 +104,7 @@ def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
     for node in fw_inputs:
         allocate(node, "parameter" if node.name in parameter_names else "input")
         live.update(sids(node))
+    _hold_cached(fw, bw, storages, alias, allocate, sids, live)
     resident = set(live)
     device = _compute_device(storages, resident)
 
@@ -150,6 +151,27 @@ def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
                "module": module_path(storages[s].node), "kind": storages[s].kind,
                "bytes": storages[s].bytes} for s in at if storages[s].device == device],
         forward_peak=fw_best[0], backward_peak=bw_best[0], runtime=runtime)
+
+
+def _hold_cached(fw: fx.GraphModule, bw: fx.GraphModule, storages: dict[int, _Storage],
+                 alias: dict[int, int], allocate: Any, sids: Any, live: set[int]) -> None:
+    """The weight cache's copies (``graphpass::quantize_weight``, ``fp8_weight_cache``) are held
+    between steps: live from the step's start to its end, kind ``cached``, each weight's copies
+    counted once where the forward and the backward both look them up."""
+    first: dict[tuple, fx.Node] = {}
+    for gm in (fw, bw):
+        for node in gm.graph.nodes:
+            if op_name(node) != "graphpass.quantize_weight":
+                continue
+            key = (node.args[0].name, *node.args[1:])
+            if key not in first:
+                first[key] = node
+                allocate(node, "cached")
+                live.update(sids(node))
+            else:
+                for sid, held in zip(_raw_sids(node), sids(first[key])):
+                    if sid != held:
+                        alias[sid] = held
 
 
 def _walk(gm: fx.GraphModule, storages: dict[int, _Storage], live: set[int], allocate: Any,

@@ -61,7 +61,7 @@ def save_original(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             for node in (col, *col.users):
                 _compat.set_partition_side(node, "must_be_in_backward")
         elif policy == "never" and (x, role, _offs(col)) in rowwise:
-            _merge(joint.graph, rowwise[(x, role, _offs(col))], col)
+            merge_usages(joint.graph, rowwise[(x, role, _offs(col))], col)
     if config.fp8_weight_once:
         for w, by_usage in weights.items():
             _weight_once(joint.graph, plan, w, by_usage)
@@ -83,7 +83,7 @@ def _weight_once(graph: fx.Graph, plan: Plan, w: fx.Node, by_usage: dict[str, fx
     backward = col if any(is_backward(u) for g in col.users for u in g.users) else row
     nbytes = sum(tensor_bytes(v, where=f"fp8_weight_once's size of {w.name}")
                  for v in backward.meta["val"])
-    _merge(graph, row, col)
+    merge_usages(graph, row, col)
     plan.decide(Decision(What.WEIGHT_ONCE, "fp8_weight_once",
                          "the weight's two FP8 copies quantized in the forward, from one read; "
                          f"dgrad's copy saved ({nbytes:,} B)", module, w.name))
@@ -94,8 +94,8 @@ def _offs(quantize: fx.Node) -> fx.Node | None:
     return quantize.args[4] if len(quantize.args) > 4 else None
 
 
-def _merge(graph: fx.Graph, row: fx.Node, col: fx.Node) -> None:
-    """One ``usage="both"`` quantize in place of a rowwise and a columnwise one."""
+def merge_usages(graph: fx.Graph, row: fx.Node, col: fx.Node) -> fx.Node:
+    """One ``usage="both"`` quantize in place of a rowwise and a columnwise one: the new node."""
     x, recipe, role, _ = row.args[:4]
     with graph.inserting_before(row):
         both = graph.call_function(QUANTIZE, (x, recipe, role, "both", *row.args[4:]))
@@ -116,3 +116,4 @@ def _merge(graph: fx.Graph, row: fx.Node, col: fx.Node) -> None:
             user.replace_all_uses_with(new)
             graph.erase_node(user)
         graph.erase_node(old)
+    return both

@@ -9,7 +9,8 @@ from typing import Any
 from .totals import format_bytes
 
 # What a live tensor at the peak is, in the order the text lists the totals.
-LIVE_KINDS = ("parameter", "input", "saved", "output", "gradient", "transient", "offloaded")
+LIVE_KINDS = ("parameter", "input", "cached", "saved", "output", "gradient", "transient",
+              "offloaded")
 
 
 def peak_dict(*, bytes: int, device: str, phase: str, node: str, module: str, op: str,

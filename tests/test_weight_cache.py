@@ -1,0 +1,206 @@
+"""``fp8_weight_cache``: each lowered weight quantized once per optimizer step, reused by the
+other micro-batches, never stale, bit-identical to quantizing every micro-batch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import graphpass
+from graphpass.fp8 import ops, weight_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _experts  # noqa: E402
+
+MICRO = 4  # micro-batches per optimizer step
+
+
+def _experts_model():
+    model, (x, offs) = _experts.build("tiny")
+    return model, x.detach(), offs
+
+
+def _grad_out(x: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(x.shape, generator=g).to(x.dtype)
+
+
+def _accumulate(compiled, x, offs, step: int) -> None:
+    """One optimizer step's micro-batches: each its own tokens and output gradient."""
+    for m in range(MICRO):
+        xm = (x * (1 + 0.25 * m)).requires_grad_()
+        compiled(xm, offs).backward(_grad_out(x, 100 * step + m))
+
+
+def _compiled(model, codegen: str, cache: bool):
+    torch._dynamo.reset()
+    backend = graphpass.backend(fp8="rowwise", kernels="reference", codegen=codegen,
+                                fp8_weight_cache=cache)
+    return torch.compile(model, backend=backend), backend
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_quantized_once_per_step_and_bit_identical(codegen):
+    """Four micro-batches: each of the two expert weights quantized once (forward and backward
+    look it up on the others), the accumulated gradients bit for bit those of quantizing every
+    micro-batch; after the optimizer step the next micro-batch quantizes again."""
+    if codegen == "inductor" and not graphpass._compat.inductor_rounds_fused_casts(
+            device_types=["cpu"]):
+        pytest.skip(f"torch {torch.__version__}'s Inductor CPU code does not round fused bf16 "
+                    "values as eager does (docs/fp8.md#fuse_quantize)")
+    ref_model, x, offs = _experts_model()
+    model, _, _ = _experts_model()
+    ref, _ = _compiled(ref_model, codegen, cache=False)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.5)
+    weight_cache.clear()
+    for step in range(2):
+        _accumulate(ref, x, offs, step)
+        ref_grads = _grads(ref_model)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert weight_cache.stats().quantized == 0  # the uncached model never reaches the cache
+
+    compiled, _ = _compiled(model, codegen, cache=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(2):
+        _accumulate(compiled, x, offs, step)
+        # two weights, each quantized on the first micro-batch (forward), looked up by its
+        # backward and by the three other micro-batches' forward and backward
+        assert (weight_cache.stats().quantized, weight_cache.stats().reused) == (
+            2 * (step + 1), 2 * (2 * MICRO - 1) * (step + 1))
+        grads = _grads(model)
+        opt.step()
+        opt.zero_grad()
+    assert _same_bits(grads, ref_grads)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    # the cache's copies are what quantizing the weights now gives: nothing wrote into them
+    _ = compiled(x.requires_grad_(), offs)
+    for entry, p in zip(weight_cache._CACHE.values(), model.parameters()):
+        fresh = ops._quantize_op(p.detach(), "rowwise", "weight", "both")
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1
+                   else torch.equal(a, b) for a, b in zip(entry.outputs, fresh))
+
+
+def test_never_stale():
+    """An in-place edit under no_grad and load_state_dict bump the parameter's version: the next
+    call quantizes again and its gradients are those of an uncached model with the same weights.
+    A write through ``p.data`` does not (its own version counter); ``clear`` is the way out."""
+    model, x, offs = _experts_model()
+    compiled, _ = _compiled(model, "eager", cache=True)
+    weight_cache.clear()
+    g = _grad_out(x, 0)
+
+    def grads_after(edit) -> list[torch.Tensor]:
+        with torch.no_grad():
+            edit()
+        model.zero_grad()
+        compiled(x.requires_grad_(), offs).backward(g)
+        return _grads(model)
+
+    def uncached() -> list[torch.Tensor]:
+        twin, _, _ = _experts_model()
+        twin.load_state_dict(model.state_dict())
+        c, _ = _compiled(twin, "eager", cache=False)
+        c(x.requires_grad_(), offs).backward(g)
+        torch._dynamo.reset()
+        return _grads(twin)
+
+    grads_after(lambda: None)
+    quantized = weight_cache.stats().quantized
+    gate_up = model.mlp.experts.gate_up_proj
+    edited = grads_after(lambda: gate_up.mul_(-1.5))
+    assert weight_cache.stats().quantized == quantized + 1  # gate_up only
+    assert _same_bits(edited, uncached())
+    compiled, _ = _compiled(model, "eager", cache=True)
+    state = {k: v * 0.5 for k, v in model.state_dict().items()}
+    loaded = grads_after(lambda: model.load_state_dict(state))
+    assert weight_cache.stats().quantized == quantized + 3  # both weights
+    assert _same_bits(loaded, uncached())
+    # .data has a version counter of its own: stale until cleared
+    gate_up.data.mul_(2.0)
+    before = weight_cache.stats().quantized
+    grads_after(lambda: None)
+    assert weight_cache.stats().quantized == before
+    weight_cache.clear()
+    assert _same_bits(grads_after(lambda: None), uncached())
+    assert weight_cache.stats().quantized == 2
+
+
+def test_report_and_step_peak():
+    """The report names each cached weight with the bytes its copies hold, the step peak counts
+    them as ``cached`` for the whole step, and nothing of the weights is saved for the
+    backward (it looks the copies up)."""
+    model, x, offs = _experts_model()
+    config = graphpass.Config(fp8="rowwise", kernels="reference", fp8_weight_cache=True)
+    report = graphpass.plan(model, x.requires_grad_(), offs, config=config)
+    notes = [str(n) for n in report.notes if "fp8_weight_cache" in str(n)]
+    e, h, i = 4, 256, 128  # tiny: experts, hidden, inter
+    # gate_up (E, 2I, H): both copies E*2I*H bytes each, scales E*2I and E*H fp32
+    gate_up = 2 * e * 2 * i * h + 4 * (e * 2 * i + e * h)
+    down = 2 * e * h * i + 4 * (e * h + e * i)  # down (E, H, I)
+    assert notes == [
+        f"fp8_weight_cache: mlp.experts: the 4x256x256 weight's both FP8 copies quantized once "
+        f"per optimizer step and held between steps ({gate_up:,} B)",
+        f"fp8_weight_cache: mlp.experts: the 4x256x128 weight's both FP8 copies quantized once "
+        f"per optimizer step and held between steps ({down:,} B)"]
+    assert report.meta["step_peak"]["by_kind"]["cached"] == gate_up + down
+    assert not [r for r in report.rows if "quantize_weight" in r.op]
+
+
+def test_a_weight_that_is_not_a_parameter_is_noted():
+    """A weight given as an input (as an all-gathered one is) is new every step: not cached,
+    and the report says so."""
+
+    class Given(nn.Module):
+        def forward(self, x, w):
+            return nn.functional.linear(x, w)
+
+    config = graphpass.Config(fp8="tensorwise", kernels="reference", fp8_weight_cache=True)
+    report = graphpass.plan(Given(), torch.randn(32, 64, requires_grad=True),
+                            torch.randn(64, 64, requires_grad=True), config=config)
+    assert [str(n) for n in report.notes if "fp8_weight_cache" in str(n)] == [
+        "fp8_weight_cache: not cached: <root>: the 64x64 weight is not a parameter (a gathered "
+        "or computed weight is new every step), so it is quantized every step"]
+
+
+def test_needs_a_recipe():
+    with pytest.raises(ValueError, match="fp8_weight_cache"):
+        graphpass.Config(fp8_weight_cache=True)
+
+
+def test_dense_weights_cached_too():
+    """nn.Linear weights under tensorwise scaling: quantized once over the micro-batches,
+    gradients bit-identical to quantizing each time."""
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+
+    x = torch.randn(32, 64)
+    grads = []
+    for cache in (False, True):
+        model = build()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=graphpass.backend(
+            fp8="tensorwise", kernels="reference", codegen="eager", fp8_weight_cache=cache))
+        weight_cache.clear()
+        for m in range(MICRO):
+            compiled(x * (1 + m)).backward(_grad_out(x, m))
+        grads.append([p.grad for p in model.parameters()])
+    # the first layer has no dgrad (x needs no gradient): its one copy is read by the forward
+    # only; the second layer's by the forward and, for dgrad, the backward
+    calls = MICRO + 2 * MICRO
+    assert (weight_cache.stats().quantized, weight_cache.stats().reused) == (2, calls - 2)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
