@@ -9,6 +9,7 @@ from ._version import __version__
 from .backend import backend
 from .config import Config
 from .decisions import Decision, What
+from .fp8.weight_cache import clear as clear_weight_cache, stats as weight_cache_stats
 from .pipeline import partition
 from .reporting import last_report
 from .plan import plan
@@ -19,5 +20,6 @@ from .named import register as _register
 
 _register()
 
-__all__ = ["backend", "Config", "Decision", "EmptySelectionWarning", "partition", "plan",
-           "last_report", "Report", "Row", "What", "__version__"]
+__all__ = ["backend", "clear_weight_cache", "Config", "Decision", "EmptySelectionWarning",
+           "partition", "plan", "last_report", "Report", "Row", "weight_cache_stats", "What",
+           "__version__"]
