@@ -1,0 +1,303 @@
+"""The rowwise FP8 quantize of 3-D expert weights: the Triton kernels
+(``graphpass.fp8.triton_quantize``) against the torch code compiled by Inductor
+(``torch.compile(ops._quantize_experts_rowwise)``), on CUDA.
+
+    python benchmarks/quantize_kernels.py                    # the three default shapes, bf16
+    python benchmarks/quantize_kernels.py --shapes 16x4096x7168 --sweep
+    python benchmarks/quantize_kernels.py --dry-run          # CPU, Triton's interpreter, no timing
+    python benchmarks/quantize_kernels.py --sections grouped --grouped-shapes 8192x7168x16
+
+For each shape (E, N, K) and usage (both copies, rowwise only, columnwise only): the median time
+of ``triton.testing.do_bench`` of each, the bandwidth that time gives against the byte floor of
+reading the weight and writing one byte per element for each copy (s + 1 bytes per element per
+copy, s = 2 for bf16; the two-pass kernels move 2s + 1 per copy, the rowwise-only kernel s + 1
+from memory when its second read hits the cache), and whether the kernels' outputs equal the
+eager torch code's bit for bit ("-" above 2**30 elements, whose fp32 copies in the torch code
+take tens of GB; plain ``torch.compile`` of the torch code gave other bits than eager on an
+H200 with torch 2.11, so it is no reference).
+``--sweep`` also times tile configurations of the kernels on the first shape, each checked
+against the eager torch code, and the default configuration's amax and cast passes alone.
+``--dry-run`` runs tiny shapes on the CPU under the interpreter, checks the kernels' outputs
+against the torch code's, and times nothing.
+
+Measured on an H200 (torch 2.11, Triton 3.6), bf16, ms, kernels / Inductor:
+
+| shape | both | rowwise | columnwise |
+| --- | --- | --- | --- |
+| 16x4096x7168 | 1.279 / 1.400 | 0.574 / 0.631 | 0.786 / 0.776 |
+| 16x7168x2048 | 0.669 / 0.796 | 0.288 / 0.350 | 0.408 / 0.451 |
+| 256x4096x7168 | 19.68 / 21.67 | 9.058 / 9.855 | 11.61 / 11.82 |
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_SHAPES = ("16x4096x7168", "16x7168x2048", "256x4096x7168")
+DRY_SHAPES = ("2x40x72", "1x17x33")
+GROUPED_SHAPES = ("8192x7168x16", "32768x7168x16", "32768x2048x16")  # TxKxG
+DRY_GROUPED_SHAPES = ("100x64x5", "37x40x3")
+SECTIONS = ("experts", "grouped")
+USAGES = ("both", "rowwise", "columnwise")
+COPIES = {"both": 2, "rowwise": 1, "columnwise": 1}
+EAGER_CHECK_LIMIT = 2**30  # elements: the torch code's fp32 copies of larger weights take GBs
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=None, help="ExNxK, e.g. 16x4096x7168")
+    p.add_argument("--grouped-shapes", nargs="+", default=None,
+                   help="TxKxG token-grouped activations, e.g. 8192x7168x16")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="expert weights (experts), token-grouped activations (grouped)")
+    p.add_argument("--recipe", default="rowwise", help="rowwise or rowwise_pow2")
+    p.add_argument("--sweep", action="store_true", help="also time tile configurations")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny shapes on the CPU under Triton's interpreter; no timing")
+    return p.parse_args()
+
+
+def identical(a: list, b: list) -> bool:
+    import torch
+
+    return all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(
+        x.view(torch.uint8) if x.dtype != torch.float32 else x.view(torch.int32),
+        y.view(torch.uint8) if y.dtype != torch.float32 else y.view(torch.int32))
+        for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+
+    from graphpass.fp8 import ops
+    from graphpass.fp8 import triton_quantize as tq
+
+    device = "cpu" if args.dry_run else "cuda"
+    if not args.dry_run and not torch.cuda.is_available():
+        print("needs CUDA (or --dry-run)")
+        return 1
+    shapes = [tuple(int(d) for d in s.split("x"))
+              for s in (args.shapes or (DRY_SHAPES if args.dry_run else DEFAULT_SHAPES))]
+    if args.dry_run:
+        bench = None
+    else:
+        import triton.testing
+
+        def bench(fn) -> float:
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"triton {tq.triton.__version__}")
+    if "grouped" in args.sections:
+        grouped_shapes = [tuple(int(d) for d in s.split("x")) for s in (
+            args.grouped_shapes or (DRY_GROUPED_SHAPES if args.dry_run else GROUPED_SHAPES))]
+        grouped(grouped_shapes, args.recipe, device, bench)
+        if args.sweep and bench is not None:
+            grouped_sweep(grouped_shapes[0], args.recipe, bench)
+    if "experts" not in args.sections:
+        return 0
+    print(f"| shape | usage | kernels ms | GB/s | Inductor ms | GB/s | speed-up | = eager |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for shape in shapes:
+        torch._dynamo.reset()
+        reference = ops._quantize_experts_rowwise if args.dry_run else torch.compile(
+            ops._quantize_experts_rowwise, dynamic=False)
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+        for usage in USAGES:
+            def ours():
+                return tq.quantize_experts_rowwise_for(x, args.recipe, "weight", usage)
+
+            def theirs():
+                return reference(x, args.recipe, "weight", usage)
+
+            same = identical(ours(), ops._quantize_experts_rowwise(
+                x, args.recipe, "weight", usage)) if x.numel() <= EAGER_CHECK_LIMIT else "-"
+            floor = x.numel() * COPIES[usage] * (x.element_size() + 1)
+            row = f"| {'x'.join(map(str, shape))} | {usage} |"
+            if bench is None:
+                print(f"{row} - | - | - | - | - | {same} |")
+                continue
+            t_ours, t_theirs = bench(ours), bench(theirs)
+            print(f"{row} {t_ours:.3f} | {floor / t_ours / 1e6:.0f} | {t_theirs:.3f} | "
+                  f"{floor / t_theirs / 1e6:.0f} | {t_theirs / t_ours:.2f}x | {same} |")
+        del x
+        torch.cuda.empty_cache() if device == "cuda" else None
+    if args.sweep and bench is not None:
+        sweep(shapes[0], args.recipe, bench)
+    return 0
+
+
+def group_ends(tokens: int, groups: int, device: str):
+    """int32 group ends of ``tokens`` tokens routed to ``groups`` experts at random (sizes from a
+    fixed seed; every token in a group)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(tokens + groups)
+    sizes = torch.multinomial(torch.ones(groups), tokens, replacement=True, generator=gen)
+    return torch.cumsum(torch.bincount(sizes, minlength=groups), 0).to(torch.int32).to(device)
+
+
+def grouped(shapes: list[tuple[int, int, int]], recipe: str, device: str, bench) -> None:
+    """The token-grouped section: both rowwise copies of (T, K) bf16 tokens in G groups, the
+    kernels against the torch code compiled by Inductor, and whether they are bit-identical."""
+    import torch
+
+    from graphpass.fp8 import ops
+    from graphpass.fp8 import triton_grouped as tg
+
+    print("token-grouped activations, both copies (rowwise and 16-aligned columnwise):")
+    print("| T x K x G | kernels ms | GB/s | Inductor ms | GB/s | speed-up | = eager |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for t, k, groups in shapes:
+        torch._dynamo.reset()
+        reference = ops._quantize if bench is None else torch.compile(
+            lambda x, offs: ops._quantize(x, recipe, "input", "both", offs), dynamic=False)
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn((t, k), generator=gen, device=device, dtype=torch.bfloat16)
+        offs = group_ends(t, groups, device)
+
+        def ours():
+            return tg.quantize_groups_rowwise_for(x, recipe, "input", "both", offs)
+
+        def theirs():
+            return reference(x, offs) if bench is not None else reference(
+                x, recipe, "input", "both", offs)
+
+        same = identical(ours(), ops._quantize(x, recipe, "input", "both", offs)) \
+            if x.numel() <= EAGER_CHECK_LIMIT else "-"
+        floor = x.numel() * 2 * (x.element_size() + 1)
+        row = f"| {t}x{k}x{groups} |"
+        if bench is None:
+            print(f"{row} - | - | - | - | - | {same} |")
+            continue
+        t_ours, t_theirs = bench(ours), bench(theirs)
+        print(f"{row} {t_ours:.3f} | {floor / t_ours / 1e6:.0f} | {t_theirs:.3f} | "
+              f"{floor / t_theirs / 1e6:.0f} | {t_theirs / t_ours:.2f}x | {same} |")
+        del x
+        torch.cuda.empty_cache() if device == "cuda" else None
+    print()
+
+
+GROUPED_SWEEP = [
+    dict(),
+    dict(cast="soft"),
+    dict(amax_t_chunk=256),
+    dict(amax_t_chunk=1024),
+    dict(amax_block=(16, 512), amax_t_chunk=256),
+    dict(amax_block=(64, 256), amax_warps=8),
+    dict(cast_block=(128, 128), cast_warps=8),
+    dict(cast_block=(32, 128)),
+    dict(cast_block=(64, 256), cast_warps=8),
+    dict(cast_k_chunk=512),
+    dict(cast_k_chunk=2048),
+]
+
+
+def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
+    """Median times of tile configurations of the grouped kernels (both copies)."""
+    import torch
+
+    from graphpass.fp8 import ops
+    from graphpass.fp8 import triton_grouped as tg
+
+    t, k, groups = shape
+    x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
+    offs = group_ends(t, groups, "cuda")
+    eager = ops._quantize(x, recipe, "input", "both", offs)
+    print(f"grouped tile configurations, {t}x{k}x{groups}:")
+    print("| config | both ms | identical |")
+    print("| --- | ---: | --- |")
+    for change in GROUPED_SWEEP:
+        cfg = tg.GroupedKernelConfig(**change)
+
+        def run():
+            return tg.quantize_groups_rowwise_for(x, recipe, "input", "both", offs, config=cfg)
+
+        try:
+            same = identical(run(), eager)
+            ms = bench(run)
+        except Exception as error:  # one configuration that fails to compile is one row
+            print(f"| {change} | {type(error).__name__}: {str(error)[:200]!r} | |")
+            continue
+        print(f"| {change or 'default'} | {ms:.3f} | {same} |")
+    print()
+
+
+SWEEP = [
+    dict(),
+    dict(cast="soft"),
+    dict(amax_block=(16, 512)),
+    dict(amax_block=(32, 256), amax_n_chunk=1024),
+    dict(amax_block=(64, 256), amax_warps=8),
+    dict(amax_n_chunk=1024),
+    dict(amax_n_chunk=256),
+    dict(cast_block=(128, 128)),
+    dict(cast_block=(128, 128), cast_warps=8),
+    dict(cast_k_chunk=512),
+    dict(cast_k_chunk=2048),
+    dict(cast_block=(32, 128)),
+    dict(cast_block=(128, 64)),
+    dict(cast_block=(64, 256), cast_warps=8),
+    dict(rows_block=(1, 2048)),
+    dict(rows_block=(4, 1024)),
+    dict(rows_block=(2, 2048), rows_warps=8),
+]
+
+
+def sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
+    """Median times of tile configurations of the kernels (each usage), then of the default
+    configuration's amax and cast passes alone."""
+    import torch
+
+    from graphpass.fp8 import recipes
+    from graphpass.fp8 import triton_quantize as tq
+
+    from graphpass.fp8 import ops
+
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    eager = {u: ops._quantize_experts_rowwise(x, recipe, "weight", u) for u in USAGES}
+    print(f"\ntile configurations, {'x'.join(map(str, shape))}:")
+    print("| config | both ms | rowwise ms | columnwise ms | identical |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for change in SWEEP:
+        cfg = tq.KernelConfig(**change)
+
+        def run(usage):
+            return tq.quantize_experts_rowwise_for(x, recipe, "weight", usage, config=cfg)
+
+        try:
+            same = all(identical(run(u), eager[u]) for u in USAGES)
+            times = [bench(lambda: run(u)) for u in USAGES]
+        except Exception as error:  # one configuration that fails to compile is one row
+            print(f"| {change} | {type(error).__name__}: {str(error)[:200]!r} | | | |")
+            continue
+        print(f"| {change or 'default'} | " + " | ".join(f"{t:.3f}" for t in times)
+              + f" | {same} |")
+    del eager
+    cfg = tq.DEFAULT_CONFIG
+    xs = x.view(torch.int16)
+    r = recipes.get_recipe(recipe)
+    print("\n| pass | both ms | rowwise ms | columnwise ms |")
+    print("| --- | ---: | ---: | ---: |")
+    amax = {u: tq._amax_pass(xs, COPIES[u] == 2 or u == "rowwise", u != "rowwise", cfg)
+            for u in USAGES}
+    outs = {u: tq._outputs(x, recipes.E4M3, *(a is not None for a in amax[u])) for u in USAGES}
+    t_amax = [bench(lambda: tq._amax_pass(xs, *(a is not None for a in amax[u]), cfg))
+              for u in USAGES]
+    t_cast = [bench(lambda: tq._cast_pass(
+        xs, *amax[u], outs[u], fp8_max=448.0, power_2_scales=r.power_2_scales,
+        amax_epsilon=r.amax_epsilon, e5m2=False, cast="ptx", cfg=cfg)) for u in USAGES]
+    print("| amax | " + " | ".join(f"{t:.3f}" for t in t_amax) + " |")
+    print("| cast | " + " | ".join(f"{t:.3f}" for t in t_cast) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
