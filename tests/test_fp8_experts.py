@@ -223,14 +223,26 @@ def test_token_grouped_experts_are_exactly_the_recipe(recipe, stored_kn, offsets
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_grouped_quantize_scales_per_group(recipe):
     """Tensorwise: one scale per token group (TE GroupedLinear); columnwise blocks restart at
-    each group and pad its last block: the scale columns are the groups' own, in order."""
+    each group and pad its last block: the scale columns are the groups' own, in order. Rowwise:
+    one scale per column and group, each group's data from its 16-aligned start."""
     torch.manual_seed(0)
     x = torch.randn(T, K)
     x[100:333] *= 1000
     offs = torch.tensor(OFFSETS["ragged"], dtype=torch.int32)
     data, scale = torch.ops.graphpass.quantize(x, recipe, "input", "columnwise", offs)
-    assert data.shape == (K, T)
-    assert torch.equal(data[:, 500:].view(torch.uint8), torch.zeros(K, 12, dtype=torch.uint8))
+    if recipe == "rowwise":  # the 16-aligned token layout, by hand: ceil(T / 16) * 16 + 16 * G
+        assert data.shape == (K, -(-T // 16) * 16 + 16 * E)
+        # groups of 0, 100, 233 and 167 tokens from columns 0, 0, 112 and 352 (sizes rounded up
+        # to 16, summed); every other column (padding, rows past offs[-1]) is 0
+        firsts = [0, 0, 112, 352]
+        used = torch.zeros(data.shape[1], dtype=torch.bool)
+        for first, n in zip(firsts, (0, 100, 233, 167)):
+            used[first:first + n] = True
+        assert not data[:, ~used].view(torch.uint8).any()
+    else:
+        assert data.shape == (K, T)
+        assert torch.equal(data[:, 500:].view(torch.uint8), torch.zeros(K, 12, dtype=torch.uint8))
+        firsts = [0, *OFFSETS["ragged"][:-1]]
     cols, start = [], 0
     for g, end in enumerate(OFFSETS["ragged"]):
         if end == start:
@@ -241,7 +253,9 @@ def test_grouped_quantize_scales_per_group(recipe):
             continue
         xg = torch.nn.functional.pad(x[start:end], (0, 0, 0, -(end - start) % 32)) if recipe == "mxfp8" else x[start:end]
         ref_data, ref_scale = recipes.quantize(xg, recipe, "input", columnwise=True)
-        assert torch.equal(data[:, start:end].view(torch.uint8), ref_data[:, :end - start].view(torch.uint8))
+        first = firsts[g]
+        assert torch.equal(data[:, first:first + end - start].view(torch.uint8),
+                           ref_data[:, :end - start].view(torch.uint8))
         if recipe == "tensorwise":
             assert torch.equal(scale[g], ref_scale)
         elif recipe == "rowwise":
@@ -623,7 +637,9 @@ def _saved_rows(report):
 # The dispatched tokens' columnwise copy: 128 tokens x top-2 = 256 rows of K=256, FP8 (K, 256),
 # and its scales: one per expert (tensorwise), 1x128 blocks restarting per group,
 # (K, 256/128 + 4) fp32 (blockwise), 1x32 blocks, (K, 256/32 + 4) E8M0 bytes (mxfp8), one fp32
-# scale per column and expert, (E, K) (rowwise).
+# scale per column and expert, (E, K) (rowwise). Rowwise's data is in the 16-aligned token
+# layout, by hand from its formula: ceil(256 / 16) * 16 + 16 * E columns, (K, 320).
+DISPATCHED_COLUMNS = {"rowwise": -(-256 // 16) * 16 + 16 * E}
 DISPATCHED_SCALES = {"tensorwise": ("float32", (E,), 4 * E),
                      "blockwise": ("float32", (K, 2 + E), 4 * K * (2 + E)),
                      "mxfp8": ("uint8", (K, 8 + E), K * (8 + E)),
@@ -643,9 +659,11 @@ def test_quantize_before_dispatch_saves_the_layer_input_not_the_dispatched_copy(
         _without_regather(m)
         without = graphpass.plan(model, *inputs, config=config)
     dtype, shape, scale_bytes = DISPATCHED_SCALES[recipe]
-    copy = [("mlp.experts", "graphpass.quantize", "fp8_data", "float8_e4m3fn", (K, 2 * 128), K * 256),
+    columns = DISPATCHED_COLUMNS.get(recipe, 2 * 128)
+    copy = [("mlp.experts", "graphpass.quantize", "fp8_data", "float8_e4m3fn", (K, columns),
+             K * columns),
             ("mlp.experts", "graphpass.quantize", "fp8_scale", dtype, shape, scale_bytes)]
-    assert without.activation_bytes - with_it.activation_bytes == K * 256 + scale_bytes
+    assert without.activation_bytes - with_it.activation_bytes == K * columns + scale_bytes
     assert sorted((_saved_rows(without) - _saved_rows(with_it)).elements()) == sorted(copy)
     assert not _saved_rows(with_it) - _saved_rows(without)
     layer_input = ("mlp", "aten.view", "activation", "bfloat16", (128, 256), 128 * 256 * 2)
@@ -653,8 +671,8 @@ def test_quantize_before_dispatch_saves_the_layer_input_not_the_dispatched_copy(
     notes = [n for n in with_it.notes if n.startswith("dispatch:")]
     assert notes == [f"dispatch: mlp.experts: aten.index of view: re-gathers view (128, 256) bfloat16 "
                      f"from mlp in the backward for the wgrad's FP8 copy instead of saving "
-                     f"{K * 256 + scale_bytes:,} B of the dispatched tokens (2,048 B more kept); "
-                     f"{K * 256 + scale_bytes:,} B fewer saved in all"]
+                     f"{K * columns + scale_bytes:,} B of the dispatched tokens (2,048 B more kept); "
+                     f"{K * columns + scale_bytes:,} B fewer saved in all"]
     assert "recomputed: dispatch (aten.index of view, re-gathered) in backward: mlp, mlp.experts" in with_it.notes
 
 

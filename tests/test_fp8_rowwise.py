@@ -51,8 +51,9 @@ def test_rowwise_scales_each_row_on_its_own(pow2, columnwise):
 
 def test_rowwise_stacks_and_groups_are_each_part_quantized_alone():
     """3-D expert weights in one pass equal each expert quantized alone, both usages; the
-    columnwise copy of token groups equals each group quantized alone, scales (G, K), rows past
-    the last group 0, an empty group's scales 1."""
+    columnwise copy of token groups equals each group quantized alone, each group's columns
+    from its 16-aligned start, scales (G, K), every other column 0 (padding and the rows past
+    the last group), an empty group's scales 1."""
     torch.manual_seed(0)
     w = torch.randn(E, N, K, dtype=torch.bfloat16)
     d, s, dt, st = torch.ops.graphpass.quantize(w, "rowwise", "weight", "both")
@@ -66,17 +67,22 @@ def test_rowwise_stacks_and_groups_are_each_part_quantized_alone():
     x[T + 3, 0] = float("inf")  # past the last group: its data is 0, no scale sees it
     offs = torch.tensor(ENDS, dtype=torch.int32)
     data, scale = torch.ops.graphpass.quantize(x, "rowwise", "input", "columnwise", offs)
-    assert data.shape == (K, T + 12) and scale.shape == (E, K)
-    assert not data[:, T:].view(torch.uint8).any()
-    start = 0
+    # the 16-aligned token layout, by hand from its formula: ceil(524 / 16) * 16 + 16 * G
+    # columns; group g from sum(ceil(n_h / 16) * 16 for h < g) on (groups of 100, 0, 233, 179)
+    assert data.shape == (K, -(-(T + 12) // 16) * 16 + 16 * E) and scale.shape == (E, K)
+    used = torch.zeros(data.shape[1], dtype=torch.bool)
+    start, first = 0, 0
     for g, end in enumerate(ENDS):
-        if end == start:
+        n = end - start
+        if n == 0:
             assert (scale[g] == 1.0).all()
             continue
         rd, rs = recipes.quantize(x[start:end], "rowwise", "input", columnwise=True)
-        assert torch.equal(data[:, start:end].view(torch.uint8), rd.view(torch.uint8))
+        assert torch.equal(data[:, first:first + n].view(torch.uint8), rd.view(torch.uint8))
         assert torch.equal(scale[g], rs[:, 0])
-        start = end
+        used[first:first + n] = True
+        start, first = end, first + -(-n // 16) * 16
+    assert not data[:, ~used].view(torch.uint8).any()
 
 
 def test_fp8_format_is_validated():
@@ -268,7 +274,8 @@ def test_token_groups_run_one_grouped_call_per_gemm(stored_kn, recipe, monkeypat
     """Experts over token groups of 100, 0, 233 and 179 tokens under fp8='rowwise' (and its
     power-of-two scales) and under fp8='tensorwise' with fp8_format='e4m3', with
     kernels='scaled_mm': forward and dgrad one 2d x 3d torch._scaled_grouped_mm each, wgrad one
-    2d x 2d (groups moved to 16-aligned starts on the device), no per-group _scaled_mm;
+    2d x 2d (groups at 16-aligned starts: rowwise's operands quantized so, tensorwise's moved
+    there on the device), no per-group _scaled_mm;
     outputs and gradients bit-identical to the reference provider, which runs each expert's
     GEMMs on their own. Tensorwise scales (one per token group and per expert) are given to the
     kernel per row, which is the same arithmetic."""
@@ -409,7 +416,8 @@ def test_grouped_rules_refuse_what_the_kernel_refuses():
 
 
 def test_aligned_token_positions():
-    """The wgrad's 16-aligned layout of groups 100, 0, 233, 179 (and 12 tokens past the end):
+    """The scatter into the 16-aligned token layout (the tensorwise wgrad's operands, quantized in
+    (K, T)) of groups 100, 0, 233, 179 (and 12 tokens past the end):
     each token keeps its group and order, groups start at multiples of 16, on the device."""
     offs = torch.tensor(ENDS, dtype=torch.int32)
     positions, padded_offs, padded = providers.aligned_token_positions(offs, T + 12)
@@ -586,3 +594,176 @@ def test_group_column_amax_is_each_groups_own_max(chunk):
             want = a[start:end].amax(0) if end > start else torch.zeros(k, dtype=a.dtype)
             assert torch.equal(got[g], want), (trial, g, start, end)
             start = end
+
+
+# --- the wgrad's operands in the 16-aligned token layout, written by the quantize -----------------
+
+# Token groups (ends over 524 rows) covering the layout's cases: ragged groups, empty ones (first,
+# middle, last), groups of whole multiples of 16, and rows past offs[-1] (none, or 12 to 524).
+ALIGNED_CASES = {"ragged": [100, 100, 333, 512], "multiples_of_16": [16, 160, 160, 512],
+                 "empty_ends": [0, 0, 233, 233], "all_rows": [17, 48, 301, 524],
+                 "none": [0, 0, 0, 0]}
+
+
+def _unaligned_rowwise_columnwise(x, offs):
+    """The columnwise rowwise copy of token-grouped x in (K, T), each group in its own columns
+    ``offs[g-1]:offs[g]`` (what ``ops._quantize_groups_rowwise`` wrote before the aligned layout;
+    its data then moved to the aligned layout in the GEMM by ``providers._scatter_tokens``)."""
+    from graphpass.fp8 import ops
+
+    t, k = x.shape
+    groups = offs.shape[0]
+    group = providers.group_of_rows(offs, t)
+    a = x.abs()
+    amax = ops._group_column_amax(torch.where(torch.isnan(a), 0.0, a), offs).float()
+    scale = recipes.tensorwise_scale(amax, "rowwise", "input")
+    row_scale = torch.cat([scale, scale.new_ones((1, k))])[group]
+    data = recipes.scaled_cast(torch.where((group < groups)[:, None], x.float(), 0.0), row_scale,
+                               "rowwise", "input")
+    return data.t().contiguous(), recipes.reciprocal(scale)
+
+
+def test_aligned_quantize_is_the_unaligned_one_moved_to_aligned_starts():
+    """The rowwise columnwise copy over token groups, written in the 16-aligned token layout by a
+    gather, is bit for bit the (K, T) copy with its tokens moved to the aligned group starts by
+    the scatter (``index_copy_``) the wgrad ran on it: every column, padding zero bytes included;
+    the same scales. For each case of ALIGNED_CASES, in eager and compiled by Inductor (CPU, one
+    compile for all cases: the offsets are an input), whose code has no scatter. Rows past
+    offs[-1] hold inf and NaN that no column shows; a NaN inside a group is NaN in its column
+    (eager: the same byte; Inductor's cast may flip a NaN's sign bit)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from graphpass.fp8 import ops
+
+    torch.manual_seed(0)
+    t = 524
+    compiled = torch.compile(
+        lambda x, offs: ops._quantize(x, "rowwise", "input", "columnwise", offs),
+        backend="inductor", dynamic=False)
+    # by hand from the layout's formula: ceil(524 / 16) * 16 + 16 * G columns
+    columns = -(-t // 16) * 16 + 16 * 4
+    for case, ends in ALIGNED_CASES.items():
+        x = torch.randn(t, K, dtype=torch.bfloat16) * torch.logspace(-2, 2, K).to(torch.bfloat16)
+        x[120:200] *= 1000
+        x[150, 3] = float("nan")
+        if ends[-1] < t:
+            x[-2, 0], x[-1, 1] = float("inf"), float("nan")
+        offs = torch.tensor(ends, dtype=torch.int32)
+        old_data, old_scale = _unaligned_rowwise_columnwise(x, offs)
+        positions, _, old_columns = providers.aligned_token_positions(offs, t)
+        assert old_columns == columns
+        want = providers._scatter_tokens(old_data, positions, columns)
+        eager = torch.ops.graphpass.quantize(x, "rowwise", "input", "columnwise", offs)
+        with inductor_config.patch(emulate_precision_casts=True):
+            fused, code = run_and_get_code(compiled, x, offs)
+        for data, scale in (eager, fused):
+            assert data.shape == (K, columns) and scale.shape == (len(ends), K), case
+            # a NaN's FP8 byte may differ in its sign bit (Inductor's cast against eager's)
+            nan = want.float().isnan()
+            assert torch.equal(data.float().isnan(), nan), case
+            assert torch.equal(data.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), case
+            assert torch.equal(scale, old_scale), case
+        assert torch.equal(eager[0].view(torch.uint8), want.view(torch.uint8)), case
+    code = "\n".join(code)
+    assert "index_copy" not in code and "scatter" not in code
+    assert "graphpass.quantize" not in code
+    # the (K, P) FP8 copy is allocated once and written by a generated kernel, nothing else
+    assert code.count(f"empty_strided_cpu(({K}, {columns}), ({columns}, 1), "
+                      "torch.float8_e4m3fn)") == 1
+
+
+def test_aligned_token_sources():
+    """The gather of the 16-aligned token layout for groups of 100, 0, 233 and 179 tokens (and
+    12 rows past the end, in no column), by hand: groups from columns 0, 112, 112 and 352 (each
+    size rounded up to 16, summed), each holding its tokens in order, then padding."""
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    columns = providers.aligned_tokens(T + 12, len(ENDS))
+    assert columns == 528 + 64
+    group, token, valid = providers.aligned_token_sources(offs, columns)
+    assert providers.aligned_group_ends(offs).tolist() == [112, 112, 352, 544]
+    assert valid.nonzero().flatten().tolist() == [*range(100), *range(112, 345), *range(352, 531)]
+    assert token[valid].tolist() == list(range(T))
+    assert group[:112].eq(0).all() and group[112:352].eq(2).all() and group[352:544].eq(3).all()
+    assert group[544:].eq(len(ENDS)).all() and token[~valid].eq(0).all()
+
+
+class _GroupedByHand(torch.autograd.Function):
+    """``torch._grouped_mm(x, w.transpose(-2, -1), offs)`` under the rowwise recipe by hand, one
+    token group at a time (tests/test_fp8_experts.py's per-group qdq): forward, dgrad and wgrad
+    each from the group's own quantized operands, accumulated in fp32; rows past the last group,
+    and an empty group's weight gradient, 0."""
+
+    @staticmethod
+    def forward(ctx, x, w, ends):
+        from test_fp8_experts import _dq, _qdq_group
+
+        ctx.save_for_backward(x, w)
+        ctx.ends = ends
+        y = x.new_zeros(x.shape[0], w.shape[1])
+        for g, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+            if end > start:
+                y[start:end] = (_qdq_group(x[start:end], "rowwise", "input")
+                                @ _dq(w[g], "rowwise", "weight").t())
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from test_fp8_experts import _dq, _qdq_group
+
+        x, w = ctx.saved_tensors
+        dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+        for g, (start, end) in enumerate(zip([0, *ctx.ends[:-1]], ctx.ends)):
+            if end > start:
+                dyg, xg = dy[start:end], x[start:end]
+                dx[start:end] = (_qdq_group(dyg, "rowwise", "grad")
+                                 @ _dq(w[g], "rowwise", "weight", True))
+                dw[g] = (_qdq_group(dyg, "rowwise", "grad", True).t()
+                         @ _qdq_group(xg, "rowwise", "input", True))
+        return dx, dw, None
+
+
+def test_experts_step_on_aligned_wgrad_operands_is_the_per_group_recipe(monkeypatch):
+    """The benchmarks' routed experts (size "tiny": SwiGLU over 4 token groups, H 256, I 128,
+    512 rows) over groups of 0, 96, 237 and 167 tokens and 12 rows past offs[-1], one training
+    step under fp8='rowwise': outputs and gradients bit-identical to the per-group recipe by
+    hand, with kernels='scaled_mm' (codegen eager, and Inductor, whose inlined quantizes write
+    the aligned layout) and 'reference' (one GEMM per group on its columns of that layout).
+    Under scaled_mm each GEMM is one grouped call (the emulation checks the CUDA kernel's rules:
+    16-aligned groups in the 2d x 2d wgrad) and no operand is scattered."""
+    import torch.nn.functional as F
+
+    from benchmarks import _experts
+
+    ends = [0, 96, 333, 500]
+    g = torch.Generator().manual_seed(1)
+    dy = (torch.randn(512, 256, generator=g) * 0.02).to(torch.bfloat16)
+
+    def step(compiled_with=None):
+        torch._dynamo.reset()
+        model, (x, _) = _experts.build("tiny")
+        experts = model.mlp.experts
+        x = x.detach().requires_grad_()
+        if compiled_with is None:
+            gate, up = _GroupedByHand.apply(x, experts.gate_up_proj, ends).chunk(2, -1)
+            y = _GroupedByHand.apply(F.silu(gate) * up, experts.down_proj, ends)
+        else:
+            y = torch.compile(model, backend=graphpass.backend(**compiled_with, fp8="rowwise",
+                                                               fp8_exclude=()))(
+                x, torch.tensor(ends, dtype=torch.int32))
+        y.backward(dy)
+        return [y.detach(), x.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+    def no_scatter(*args):
+        raise AssertionError("a wgrad operand scattered to the aligned layout in the GEMM")
+
+    want = step()
+    monkeypatch.setattr(providers, "_scatter_tokens", no_scatter)
+    assert all(torch.equal(a, b) for a, b in zip(
+        step(dict(codegen="eager", kernels="reference")), want))
+    grouped, single = _count_grouped(monkeypatch)
+    for codegen in ("eager", "inductor"):
+        grouped.clear()
+        got = step(dict(codegen=codegen, kernels="scaled_mm"))
+        assert sorted(grouped) == ["2d x 2d"] * 2 + ["2d x 3d"] * 4 and not single, codegen
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), codegen

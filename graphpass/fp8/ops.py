@@ -57,7 +57,7 @@ def group_blocks(recipe: str, role: str, columnwise: bool) -> int | None:
     tokens of two groups by construction (blocks along K, rowwise), else the block length along
     the tokens (columnwise 1x128 blockwise, 1x32 mxfp8); 0 for one scale per group
     (tensorwise). Rowwise: None rowwise (a row is one token), -1 columnwise (one scale per
-    column and group: ``_quantize_groups_rowwise``)."""
+    column and group, data in the 16-aligned token layout: ``_quantize_groups_rowwise``)."""
     if recipes.is_rowwise(recipe):
         return -1 if columnwise else None
     block = recipes.block_shape(recipe, role)
@@ -87,9 +87,15 @@ def _quantize_groups(x: Tensor, recipe: str, role: str, columnwise: bool,
       with zeros (gets the amax of its own tokens). Scales are (K, ceil(T/B) + G); group g's
       blocks are the columns from ``sum(ceil(n_h / B) for h < g)`` on; unused columns hold scale
       1 (blockwise) or the E8M0 byte 127 (mxfp8, also 1).
+    * rowwise columnwise (the wgrad operand): one scale per column of x and group, (G, K), and
+      data (K, P) in the 16-aligned token layout the 2d x 2d grouped GEMM reads
+      (``providers.aligns_tokens``): P = ``ceil(T/16)*16 + 16*G`` (a static bound), group g's
+      tokens in order from its 16-aligned start (each group's size rounded up to a multiple of
+      16, summed over the groups before it), every other column zero FP8 bytes.
 
-    Rows at or past ``offs[-1]`` belong to no group: the GEMMs never read them (where a group
-    decides the scale their data is 0).
+    Every other columnwise copy is (K, T), group g in the columns ``offs[g-1]:offs[g]``. Rows at
+    or past ``offs[-1]`` belong to no group: the GEMMs never read them (where a group decides the
+    scale their data is 0; the aligned layout holds none of them).
     """
     if x.dim() != 2:
         raise ValueError(f"a grouped quantize takes a 2-D (tokens, K) tensor, got {tuple(x.shape)}")
@@ -206,24 +212,32 @@ def _quantize_experts_rowwise(x: Tensor, recipe: str, role: str, usage: str) -> 
 
 
 def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) -> list[Tensor]:
-    """The columnwise rowwise copy of token-grouped (T, K) ``x`` (the wgrad operand): data (K, T),
-    each of x's columns scaled per token group, scales (G, K) fp32: group g's K scales
-    contiguous, the (G * K) layout ``torch._scaled_grouped_mm``'s 2d x 2d form reads. One pass,
-    no loop over groups, no host sync: the groups' column amaxes are one scatter-max of the rows
-    (max is exact, so bit-identical to each group quantized alone). Rows past ``offs[-1]`` are 0;
-    an empty group's scales are 1."""
+    """The columnwise rowwise copy of token-grouped (T, K) ``x`` (the wgrad operand), each of x's
+    columns scaled per token group: scales (G, K) fp32, group g's K scales contiguous, the
+    (G * K) layout ``torch._scaled_grouped_mm``'s 2d x 2d form reads; data (K, P) in the
+    16-aligned token layout that form needs (every group starting at a multiple of 16 tokens):
+    P = ``providers.aligned_tokens(T, G)``, ``ceil(T/16)*16 + 16*G``, group g's tokens from its
+    aligned start on, every other column zero FP8 bytes (``providers.aligned_token_sources``).
+
+    One pass, no loop over groups, no host sync: the groups' column amaxes are reduced over row
+    chunks (``_group_column_amax``; max is exact, so bit-identical to each group quantized
+    alone), and the data is a gather over the P columns: each column's token and group from the
+    aligned group ends (a searchsorted), its token's row of x scaled by the group's scales, or 0.
+    Inductor compiles the gather, scale, cast and transpose into one pointwise kernel, with no
+    scatter and no second pass over the copy. Each column's bits are those of its token quantized
+    in place (the cast is elementwise). Rows past ``offs[-1]`` are in no column; an empty group
+    has no column and scales 1."""
     t, k = x.shape
     groups = offs.shape[0]
-    x32 = x.to(torch.float32)
-    group = providers.group_of_rows(offs, t)
     # |x| and its max in x's own dtype (exact): no fp32 copy of x for the reduction to read
     a = x.abs()
     a = torch.where(torch.isnan(a), 0.0, a)
     amax = _group_column_amax(a, offs).to(torch.float32)
     scale = recipes.tensorwise_scale(amax, recipe, role)  # elementwise: one per (group, column)
-    row_scale = torch.cat([scale, scale.new_ones((1, k))])[group]
-    inside = (group < groups)[:, None]
-    data = recipes.scaled_cast(torch.where(inside, x32, 0.0), row_scale, recipe, role)
+    group, token, valid = providers.aligned_token_sources(offs, providers.aligned_tokens(t, groups))
+    column_scale = torch.cat([scale, scale.new_ones((1, k))])[group]  # (P, K)
+    x32 = x[token].to(torch.float32)  # (P, K): the gather
+    data = recipes.scaled_cast(torch.where(valid[:, None], x32, 0.0), column_scale, recipe, role)
     return [data.t().contiguous(), recipes.reciprocal(scale)]
 
 
@@ -270,8 +284,9 @@ def _quantize_groups_fake(x: Tensor, recipe: str, role: str, columnwise: bool,
     data = x.new_empty((k, t) if columnwise else (t, k), dtype=recipes.fp8_dtype(recipe, role))
     if block == 0:
         return [data, x.new_empty((offs.shape[0],), dtype=torch.float32)]
-    if block == -1:
-        return [data, x.new_empty((offs.shape[0], k), dtype=torch.float32)]
+    if block == -1:  # rowwise columnwise: the 16-aligned token layout
+        return [x.new_empty((k, providers.aligned_tokens(t, offs.shape[0])), dtype=data.dtype),
+                x.new_empty((offs.shape[0], k), dtype=torch.float32)]
     return [data, x.new_empty((k, grouped_scale_blocks(t, offs.shape[0], block)),
                               dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)]
 
@@ -382,7 +397,9 @@ def fp8_gemm(
     With ``offs`` (``torch._grouped_mm``'s group ends over the tokens, see ``_quantize_groups``
     for the scale layouts): a (T, K) x b (G, N, K) gives (T, N), token group g times b[g]
     (forward, dgrad); a (M, T) x b (N, T) gives (G, M, N), group g's tokens contracted
-    (wgrad). Rows past ``offs[-1]`` are 0 from the reference provider and the CPU emulation,
+    (wgrad; under the rowwise recipe a (M, P) and b (N, P) in the 16-aligned token layout
+    ``_quantize_groups_rowwise`` writes, ``providers.aligns_tokens``, group g's tokens from its
+    aligned start). Rows past ``offs[-1]`` are 0 from the reference provider and the CPU emulation,
     and unwritten on CUDA, as torch's ``_grouped_mm`` leaves them; empty groups' wgrad outputs
     are 0.
 

@@ -118,15 +118,16 @@ class ScaledMM:
         """Token-grouped GEMM (``fp8_gemm`` with offsets), as one ``torch._scaled_grouped_mm``
         where both operands are E4M3: rowwise, tensorwise under ``fp8_format="e4m3"``, and
         tensorwise HYBRID's forward (``rowwise_grouped_2d3d``: forward, dgrad;
-        ``rowwise_grouped_2d2d``: wgrad; a tensorwise scale given to each row it scales). Else
-        (HYBRID's E5M2 gradients, which the grouped kernel refuses) one ``_scaled_mm`` per
-        group."""
+        ``rowwise_grouped_2d2d``: wgrad, on rowwise operands in the 16-aligned token layout
+        (``aligns_tokens``), on tensorwise ones in (K, T); a tensorwise scale given to each row it
+        scales). Else (HYBRID's E5M2 gradients, which the grouped kernel refuses) one
+        ``_scaled_mm`` per group."""
         if recipes.is_rowwise(recipe) and _rowwise_grouped_runs(a, bias):
             if b.dim() == 3:
                 return rowwise_grouped_2d3d(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
                                             fast_accum=fast_accum)
             return rowwise_grouped_2d2d(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
-                                        fast_accum=fast_accum)
+                                        fast_accum=fast_accum, aligned=aligns_tokens(recipe))
         if _tensorwise_grouped_runs(recipe, a, b, bias):
             return tensorwise_grouped(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
                                       fast_accum=fast_accum)
@@ -230,38 +231,97 @@ def group_bounds(offs: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([ends.new_zeros(1), ends[:-1]]), ends
 
 
+TOKEN_ALIGN = 16  # tokens: where the 2d x 2d grouped GEMM's groups may start (its contraction)
+
+
+def aligns_tokens(recipe: str) -> bool:
+    """Whether a token-grouped quantize writes its columnwise copy (the wgrad operand) in the
+    16-aligned token layout (``aligned_token_sources``): under the rowwise recipe, whose wgrad
+    runs as one 2d x 2d ``torch._scaled_grouped_mm`` wherever the grouped kernel runs. The other
+    recipes' columnwise copies are (K, T), group g the columns ``offs[g-1]:offs[g]``: tensorwise
+    ones also go to TE's grouped GEMM and to per-group ``_scaled_mm`` calls (HYBRID's E5M2
+    gradients), which need no alignment, and the block recipes' scales restart per group."""
+    return recipes.is_rowwise(recipe)
+
+
+def aligned_tokens(tokens: int, groups: int, align: int = TOKEN_ALIGN) -> int:
+    """Columns of the aligned token layout of ``tokens`` tokens in ``groups`` groups: a static
+    bound, ``ceil(T / align) * align + align * G``, on every group's size rounded up to a multiple
+    of ``align`` (at most ``T + (align - 1) * G`` in all)."""
+    return -(-tokens // align) * align + align * groups
+
+
+def aligned_group_ends(offs: Tensor, align: int = TOKEN_ALIGN) -> Tensor:
+    """Each token group's end in the aligned layout (int64, on the device): the groups' sizes
+    rounded up to multiples of ``align``, summed up to and including the group."""
+    return torch.cumsum(_aligned_sizes(offs, align), 0)
+
+
+def _aligned_sizes(offs: Tensor, align: int) -> Tensor:
+    """Each token group's size rounded up to a multiple of ``align`` (int64)."""
+    starts, ends = group_bounds(offs)
+    return (ends - starts + align - 1) // align * align
+
+
+def aligned_token_sources(offs: Tensor, columns: int,
+                          align: int = TOKEN_ALIGN) -> tuple[Tensor, Tensor, Tensor]:
+    """The aligned token layout of ``columns`` columns, as a gather: for each column, its token
+    group (int64; ``len(offs)`` past the last group's aligned end), the token (row of x) it holds,
+    and whether it holds one (False in a group's padding and past the last group; its token is
+    then 0). Group g's tokens fill its columns from ``aligned_group_ends(offs)[g-1]`` on, in
+    order; tokens past ``offs[-1]`` are in no column. On the device: no host sync."""
+    groups = offs.shape[0]
+    starts, ends = group_bounds(offs)
+    sizes = _aligned_sizes(offs, align)
+    aligned_ends = torch.cumsum(sizes, 0)
+    aligned_starts = aligned_ends - sizes
+    column = torch.arange(columns, device=offs.device)
+    group = torch.searchsorted(aligned_ends, column, right=True)
+    g = group.clamp(max=groups - 1)
+    token = starts[g] + column - aligned_starts[g]
+    valid = (group < groups) & (token < ends[g])
+    return group, torch.where(valid, token, 0), valid
+
+
 def rowwise_grouped_2d2d(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
-                         offs: Tensor, out_dtype: torch.dtype, *,
-                         fast_accum: bool = False) -> Tensor:
-    """Wgrad over token groups: a (M, T) and b (N, T), both columnwise copies with per-group
+                         offs: Tensor, out_dtype: torch.dtype, *, fast_accum: bool = False,
+                         aligned: bool = True) -> Tensor:
+    """Wgrad over token groups: a (M, T') and b (N, T'), both columnwise copies with per-group
     scales (G, M) and (G, N); out (G, M, N), group g's tokens contracted. The kernel needs each
-    group to start at a multiple of 16 tokens (the contraction's alignment), so the tokens are
-    moved to 16-aligned group starts by one scatter per operand, on the device (the padding
-    columns are zero FP8 bytes, which add nothing): no per-group copy, no host sync. An empty
+    group to start at a multiple of 16 tokens (the contraction's alignment).
+
+    ``aligned`` (the rowwise recipe's copies, ``aligns_tokens``): the operands are in the aligned
+    token layout the quantize wrote (``aligned_token_sources``: T' = ``aligned_tokens(T, G)``,
+    padding columns zero FP8 bytes, which add nothing), taken as they are with the aligned group
+    ends, computed from ``offs`` on the device. Else (tensorwise copies, (M, T) with groups at
+    ``offs``): each operand's tokens are first moved to the aligned layout by one scatter
+    (``index_copy_``) on the device. Either way no per-group copy, no host sync. An empty
     group's output is 0."""
-    t = a.shape[1]
-    positions, padded_offs, padded = aligned_token_positions(offs, t)
-    a_p, b_p = (_scatter_tokens(x, positions, padded) for x in (a, b))
-    out = grouped_mm_call(a_p, b_p.t(), own_rows(a_scale_inv, (-1,)),
-                          own_rows(b_scale_inv, (-1,)), padded_offs, fast_accum=fast_accum)
+    if aligned:
+        aligned_offs = aligned_group_ends(offs).to(torch.int32)
+    else:
+        positions, aligned_offs, columns = aligned_token_positions(offs, a.shape[1])
+        a, b = (_scatter_tokens(x, positions, columns) for x in (a, b))
+    out = grouped_mm_call(a, b.t(), own_rows(a_scale_inv, (-1,)),
+                          own_rows(b_scale_inv, (-1,)), aligned_offs, fast_accum=fast_accum)
     return out.to(out_dtype)
 
 
-def aligned_token_positions(offs: Tensor, t: int, align: int = 16) -> tuple[Tensor, Tensor, int]:
-    """Where each of ``t`` tokens goes when every group starts at a multiple of ``align``:
-    (positions (T,) int64, the padded groups' ends as int32 offsets, the padded length: a static
-    bound, ``ceil(T / align) * align + align * G``). Tokens past ``offs[-1]`` go after the last
-    group."""
+def aligned_token_positions(offs: Tensor, t: int,
+                            align: int = TOKEN_ALIGN) -> tuple[Tensor, Tensor, int]:
+    """Where each of ``t`` tokens goes in the aligned token layout, as a scatter (the tensorwise
+    wgrad's operands, quantized in (K, T)): (positions (T,) int64, the aligned groups' ends as
+    int32 offsets, the layout's columns, ``aligned_tokens(t, G)``). Tokens past ``offs[-1]`` go
+    after the last group."""
     groups = offs.shape[0]
     starts, ends = group_bounds(offs)
-    padded_sizes = (ends - starts + align - 1) // align * align
+    padded_sizes = _aligned_sizes(offs, align)
     padded_ends = torch.cumsum(padded_sizes, 0)
     base = torch.cat([padded_ends - padded_sizes, padded_ends[-1:]])  # where each group starts
     first = torch.cat([starts, ends[-1:]])  # ... and started (past the end: offs[-1])
     group = group_of_rows(offs, t)
     positions = base[group] + torch.arange(t, device=offs.device) - first[group]
-    padded = -(-t // align) * align + align * groups
-    return positions, padded_ends.to(torch.int32), padded
+    return positions, padded_ends.to(torch.int32), aligned_tokens(t, groups, align)
 
 
 def _scatter_tokens(x: Tensor, positions: Tensor, padded: int) -> Tensor:
@@ -327,7 +387,7 @@ def tensorwise_grouped(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: T
     its own contiguous allocation. Forward and dgrad (b (G, N, K)): a (T, K) with one scale per
     token group becomes (T,) (rows past ``offs[-1]`` take the last group's; their outputs are
     ``rowwise_grouped_2d3d``'s), b's one per expert (G, N). Wgrad (a (M, T), b (N, T), one scale
-    per group each): (G, M) and (G, N)."""
+    per group each, not in the aligned token layout: ``aligns_tokens``): (G, M) and (G, N)."""
     groups = offs.shape[0]
     if b.dim() == 3:
         rows = group_of_rows(offs, a.shape[0]).clamp(max=groups - 1)
@@ -336,7 +396,7 @@ def tensorwise_grouped(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: T
                                     fast_accum=fast_accum)
     return rowwise_grouped_2d2d(a, _per_group(a_scale_inv, a.shape[0]), b,
                                 _per_group(b_scale_inv, b.shape[0]), offs, out_dtype,
-                                fast_accum=fast_accum)
+                                fast_accum=fast_accum, aligned=False)
 
 
 def tensorwise_batched(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
@@ -395,7 +455,9 @@ class _PerGroup:
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype, bias,
                  provider, *, fast_accum: bool = False) -> Tensor:
     """``fp8_gemm`` with offsets: the provider's own grouped GEMM where it has one, else one job
-    per non-empty group on the group's slices."""
+    per non-empty group on the group's slices. A wgrad's (2-D b) operands in the aligned token
+    layout (``aligns_tokens``) hold group g in the columns from its aligned start, the group's
+    own tokens first; the job takes those ``n_g`` columns, the same slice as the (K, T) layout's."""
     if hasattr(provider, "grouped_gemm"):
         return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
                                      out_dtype, bias, fast_accum=fast_accum)
@@ -411,13 +473,16 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, o
     rowwise = recipes.is_rowwise(recipe)
     shape = None if rowwise else recipes.block_shape(recipe, a_role)  # wgrad's blocks: tokens
     block = shape[1] if shape and split_k else 0
+    aligned = split_k and aligns_tokens(recipe)
+    first = 0  # the group's first column in the aligned token layout
     for g, end in enumerate(offs.tolist()):
         n = end - start
         if n > 0 and not split_k:
             sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[start:end]
             jobs.append(Job(a[start:end], sa, b[g], b_scale_inv[g], out[start:end]))
         elif n > 0:
-            ag, bg = a[:, start:end], b[:, start:end]
+            cols = slice(first, first + n) if aligned else slice(start, end)
+            ag, bg = a[:, cols], b[:, cols]
             if block:  # whole blocks of the group: its scale columns, its data zero-padded
                 blocks = -(-n // block)
                 sa, sb = (s[:, col:col + blocks] for s in (a_scale_inv, b_scale_inv))
@@ -429,6 +494,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, o
             else:
                 sa, sb = a_scale_inv[g], b_scale_inv[g]
             jobs.append(Job(ag.contiguous(), sa, bg.contiguous(), sb, out[g]))
+        first += -(-n // TOKEN_ALIGN) * TOKEN_ALIGN
         start = end
     run_jobs(jobs, recipe, a_role, b_role, out_dtype, provider, fast_accum=fast_accum)
     return out

@@ -99,8 +99,33 @@ def gemms(joint: fx.GraphModule) -> list[Gemm]:
                 reason = forward_reason.get(node.meta.get("seq_nr"), _form(node))
             if phase == "forward" and "seq_nr" in node.meta:
                 forward_reason[node.meta["seq_nr"]] = reason
-        out.append(Gemm(node, module_path(node), phase, node_flops(node), reason))
+        flops = _grouped_wgrad_flops(node) if name == "graphpass.fp8_gemm" else None
+        out.append(Gemm(node, module_path(node), phase,
+                        node_flops(node) if flops is None else flops, reason))
     return out
+
+
+def _grouped_wgrad_flops(node: fx.Node) -> int | None:
+    """The model's FLOPs of a token-grouped FP8 wgrad (``fp8_gemm`` with offsets over two 2-D
+    operands), ``2 * M * N * T`` over the T rows of the quantize whose copy is its first operand,
+    else None. Its operands may be in the 16-aligned token layout (rowwise:
+    ``providers.aligns_tokens``), whose zero padding columns are no GEMM of the model's, so their
+    shapes' contraction overstates it."""
+    offs = node.kwargs.get("offs", node.args[9] if len(node.args) > 9 else None)
+    a, b = node.args[0], node.args[2]
+    if offs is None or not all(isinstance(t, fx.Node) for t in (a, b)):
+        return None
+    a_val, b_val = a.meta.get("val"), b.meta.get("val")
+    if a_val is None or b_val is None or a_val.dim() != 2 or b_val.dim() != 2:
+        return None
+    quantize = a.args[0] if a.op == "call_function" and a.args else None
+    if not isinstance(quantize, fx.Node) or op_name(quantize) != "graphpass.quantize":
+        return None
+    x = quantize.args[0].meta.get("val")
+    if x is None or x.dim() != 2:
+        return None
+    return _compat.size_hint(2 * a_val.shape[0] * b_val.shape[0] * x.shape[0],
+                             where=f"the FLOPs of {node.name} (graphpass.fp8_gemm)")
 
 
 def coverage(joint: fx.GraphModule) -> dict:
