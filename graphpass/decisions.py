@@ -28,6 +28,7 @@ class What(enum.Enum):
     NOT_LOWERED = "not lowered: {module}: {why}"
     KERNELS = "kernels: {why}"
     GROUPED_GEMMS = "grouped gemms: {module}: {why}"
+    WEIGHT_QUANTIZE = "weight quantize: {module}: {why}"
     FUSE_QUANTIZE_OFF = "fuse_quantize: off: {why}"
     FP8_COPY = "fp8 copy ({why})"
     FP8_DISTRIBUTED = "fp8 under {why}"

@@ -204,3 +204,52 @@ def test_dense_weights_cached_too():
     calls = MICRO + 2 * MICRO
     assert (weight_cache.stats().quantized, weight_cache.stats().reused) == (2, calls - 2)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_expert_weights_on_cuda_run_the_triton_kernels():
+    """A rowwise quantize of contiguous 3-D CUDA expert weights runs graphpass's Triton kernels
+    and is left as the op by Inductor's inlining, cached or not (the same bits either way); any
+    other layout or device keeps the recipe's torch code. Fake CUDA tensors: no GPU needed."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        # empty_strided: a fake CUDA tensor where torch is built without CUDA
+        def cuda(shape, stride, dtype=torch.bfloat16):
+            return torch.empty_strided(shape, stride, device="cuda", dtype=dtype)
+
+        assert ops.uses_triton_weight_kernel(cuda((16, 64, 32), (2048, 32, 1)))
+        assert ops.uses_triton_weight_kernel(cuda((16, 64, 32), (2048, 32, 1), torch.float32))
+        assert not ops.uses_triton_weight_kernel(cuda((16, 64, 32), (2048, 1, 64)))  # transposed
+        assert not ops.uses_triton_weight_kernel(cuda((64, 32), (32, 1)))  # a dense weight
+        assert not ops.uses_triton_weight_kernel(
+            cuda((16, 64, 32), (2048, 32, 1), torch.float8_e4m3fn))
+        # the lowering's note for each expert linear on CUDA says which ran, and why
+        from graphpass.passes.lower_fp8 import _weight_kernel
+
+        assert _weight_kernel(cuda((16, 64, 32), (2048, 32, 1))).startswith(
+            "graphpass's Triton kernels")
+        assert _weight_kernel(cuda((16, 64, 32), (2048, 1, 64))) == (
+            "Inductor's fused code, not graphpass's Triton kernels: the weight is not "
+            "contiguous (the same bits, one more read of the weight per copy)")
+    assert not ops.uses_triton_weight_kernel(torch.empty(16, 64, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cached_and_uncached_steps_are_bit_identical_on_cuda():
+    """CUDA, Inductor, torch._scaled_grouped_mm: four micro-batches with the weight cache give
+    the gradients of quantizing every micro-batch, bit for bit, each weight quantized once."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._scaled_grouped_mm needs sm90+")
+    grads = []
+    for cache in (False, True):
+        model, (x, offs) = _experts.build("tiny", device="cuda")
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=graphpass.backend(
+            fp8="rowwise", kernels="scaled_mm", fp8_weight_cache=cache))
+        weight_cache.clear()
+        _accumulate(compiled, x.detach(), offs, 0)
+        grads.append(_grads(model))
+    assert (weight_cache.stats().quantized, weight_cache.stats().reused) == (2, 2 * (2 * MICRO - 1))
+    assert _same_bits(*grads)

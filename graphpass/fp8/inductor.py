@@ -79,7 +79,7 @@ def _patterns() -> Any:
                         pm.KeywordArg("role"), pm.KeywordArg("usage")),
         # a grouped quantize (offsets: one scale per token group) stays one op
         extra_check=lambda match: len(match.output_node().args) == 4 and inlinable(
-            match.kwargs["recipe"]),
+            match.kwargs["recipe"]) and not triton_weight_quantize(match.output_node()),
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
@@ -99,6 +99,18 @@ def _patterns() -> Any:
             lambda x, offs: ops._quantize(_stored(x), recipe, role, usage, offs), [x, offs])
 
     return patterns
+
+
+def triton_weight_quantize(node: fx.Node) -> bool:
+    """Whether ``node`` (a ``graphpass::quantize``) is a rowwise quantize of 3-D expert weights
+    that graphpass's Triton kernels run (``ops.uses_triton_weight_kernel``): left as the op, not
+    inlined. The kernels read the weights for both copies' amaxes once, where Inductor's code
+    reads them once per copy, and give the op's bits, so a weight's copies are the same whether
+    the weight cache (``fp8_weight_cache``) holds them or each step quantizes them."""
+    x = node.args[0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return (isinstance(val, torch.Tensor) and recipes.is_rowwise(node.args[1])
+            and ops.uses_triton_weight_kernel(val))
 
 
 def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[torch.Tensor]:

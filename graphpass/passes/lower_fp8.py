@@ -30,7 +30,7 @@ import torch.fx as fx
 from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, Quantized, What, record
-from ..fp8 import cost, providers, recipes
+from ..fp8 import cost, ops, providers, recipes, triton_quantize
 from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
 from ..graph.flops import node_flops
@@ -73,6 +73,10 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         if provider.name == "scaled_mm" and (lin.offs is not None or lin.w.meta["val"].dim() == 3):
             plan.decide(Decision(What.GROUPED_GEMMS, "fp8", _grouped_kernels(config.fp8_recipe),
                                  lin.module), once=True)
+        w = lin.w.meta["val"]
+        if recipes.is_rowwise(config.fp8_recipe) and w.dim() == 3 and device.type == "cuda":
+            plan.decide(Decision(What.WEIGHT_QUANTIZE, "fp8", _weight_kernel(w), lin.module),
+                        once=True)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
     for gemm in gemms.gemms(joint):
         if gemm.reason is not None:
@@ -127,6 +131,19 @@ def _grouped_kernels(recipe: str) -> str:
             "and wgrad one torch._scaled_mm per expert: their gradient operand is E5M2 "
             "(tensorwise's HYBRID format), which the grouped kernel refuses (E4M3 only); "
             "fp8_format='e4m3' or fp8='rowwise' runs all three as one grouped kernel each")
+
+
+def _weight_kernel(w: torch.Tensor) -> str:
+    """What quantizes a rowwise 3-D expert weight on CUDA: graphpass's Triton kernels, or why
+    Inductor's fused code of the recipe does instead (the same bits, each copy one more read of
+    the weight)."""
+    if ops.uses_triton_weight_kernel(w):
+        return ("graphpass's Triton kernels (fp8/triton_quantize.py: both copies' amaxes from "
+                "one read of the weight)")
+    why = triton_quantize.available(w) or (
+        "the weight is not contiguous" if not w.is_contiguous() else f"its dtype is {w.dtype}")
+    return (f"Inductor's fused code, not graphpass's Triton kernels: {why} (the same bits, one "
+            "more read of the weight per copy)")
 
 
 def why_not_lowered(lin: Linear, config: Config) -> str | None:
