@@ -1,6 +1,6 @@
 """The rowwise FP8 quantize of 3-D expert weights: the Triton kernels
 (``graphpass.fp8.triton_quantize``) against the torch code compiled by Inductor
-(``torch.compile(ops._quantize_experts_rowwise)``), on CUDA.
+(``torch.compile(ops.experts_rowwise_torch)``), on CUDA.
 
     python benchmarks/quantize_kernels.py                    # the three default shapes, bf16
     python benchmarks/quantize_kernels.py --shapes 16x4096x7168 --sweep
@@ -107,8 +107,8 @@ def main() -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for shape in shapes:
         torch._dynamo.reset()
-        reference = ops._quantize_experts_rowwise if args.dry_run else torch.compile(
-            ops._quantize_experts_rowwise, dynamic=False)
+        reference = ops.experts_rowwise_torch if args.dry_run else torch.compile(
+            ops.experts_rowwise_torch, dynamic=False)
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
         for usage in USAGES:
@@ -118,7 +118,7 @@ def main() -> int:
             def theirs():
                 return reference(x, args.recipe, "weight", usage)
 
-            same = identical(ours(), ops._quantize_experts_rowwise(
+            same = identical(ours(), ops.experts_rowwise_torch(
                 x, args.recipe, "weight", usage)) if x.numel() <= EAGER_CHECK_LIMIT else "-"
             floor = x.numel() * COPIES[usage] * (x.element_size() + 1)
             row = f"| {'x'.join(map(str, shape))} | {usage} |"
@@ -263,7 +263,7 @@ def sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
     from graphpass.fp8 import ops
 
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    eager = {u: ops._quantize_experts_rowwise(x, recipe, "weight", u) for u in USAGES}
+    eager = {u: ops.experts_rowwise_torch(x, recipe, "weight", u) for u in USAGES}
     print(f"\ntile configurations, {'x'.join(map(str, shape))}:")
     print("| config | both ms | rowwise ms | columnwise ms | identical |")
     print("| --- | ---: | ---: | ---: | --- |")

@@ -1,5 +1,5 @@
 """The Triton rowwise quantize of 3-D expert weights (graphpass.fp8.triton_quantize) against the
-torch code it replaces, ``ops._quantize_experts_rowwise``: same shapes, dtypes and contiguity,
+torch code it replaces, ``ops.experts_rowwise_torch``: same shapes, dtypes and contiguity,
 data equal as bytes and scale_inv equal as bits, for ragged shapes, every usage, bf16/fp16/fp32
 inputs, NaN, inf, zero and subnormal rows and columns, power-of-2 scales, an amax epsilon, E5M2,
 and every rounding tie of the fp8 cast.
@@ -173,7 +173,7 @@ def run_case(case: tuple, device: str = "cpu", cast: str | None = None) -> str |
                    device=device)
     config = tq.KernelConfig(**(settings or {}), cast=cast)
     got = tq.quantize_experts_rowwise_for(x, recipe, role, usage, config=config)
-    return mismatch(got, ops._quantize_experts_rowwise(x, recipe, role, usage))
+    return mismatch(got, ops.experts_rowwise_torch(x, recipe, role, usage))
 
 
 def _interpreted_results(out: Path) -> None:

@@ -202,16 +202,21 @@ def _quantize_groups_tensorwise(x: Tensor, recipe: str, role: str, columnwise: b
 
 
 def _quantize_experts_rowwise(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
-    """Rowwise (G, N, K) expert weights in one pass over all experts: every row is scaled on its
-    own, so this is bit-identical to each expert quantized alone. Scales (G, R, 1).
-
-    On CUDA with triton, graphpass's Triton kernels (``triton_quantize``: both copies' amaxes
-    from one read of the weights, the same bits), which Inductor leaves as this op
-    (``inductor.triton_weight_quantize``): on an H200 1.09x Inductor's fused code for both copies
-    of a (16, 4096, 7168) weight, 1.10x for a (256, 4096, 7168) one, level for a columnwise copy
-    alone (``benchmarks/quantize_kernels.py``)."""
+    """Rowwise (G, N, K) expert weights: ``experts_rowwise_torch``'s bits. On CUDA with triton,
+    graphpass's Triton kernels (``triton_quantize``: both copies' amaxes from one read of the
+    weights), which Inductor leaves as this op (``inductor.triton_weight_quantize``): on an H200
+    1.09x Inductor's fused code for both copies of a (16, 4096, 7168) weight, 1.10x for a
+    (256, 4096, 7168) one, level for a columnwise copy alone (``benchmarks/quantize_kernels.py``,
+    docs/numbers.md)."""
     if uses_triton_weight_kernel(x):
         return triton_quantize.quantize_experts_rowwise_for(x, recipe, role, usage)
+    return experts_rowwise_torch(x, recipe, role, usage)
+
+
+def experts_rowwise_torch(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
+    """The recipe's torch code for rowwise (G, N, K) expert weights, in one pass over all
+    experts: every row is scaled on its own, so this is bit-identical to each expert quantized
+    alone. Scales (G, R, 1). The reference the Triton kernels are held to."""
     x32 = x.to(torch.float32)
     out: list[Tensor] = []
     for columnwise in _COLUMNWISE[usage]:

@@ -1,6 +1,6 @@
 """Rowwise FP8 quantization of 3-D expert weights as Triton kernels.
 
-``quantize_experts_rowwise`` computes what ``ops._quantize_experts_rowwise`` computes for a stack
+``quantize_experts_rowwise`` computes what ``ops.experts_rowwise_torch`` computes for a stack
 of expert weights ``x`` of shape (E, N, K), bit for bit: the rowwise copy (each row of each expert
 scaled by its own amax along K: data (E, N, K), scale_inv (E, N, 1)) and/or the columnwise copy
 (each column scaled by its own amax along N, written transposed: data (E, K, N), scale_inv
@@ -449,7 +449,7 @@ def quantize_experts_rowwise(
     """Rowwise FP8 copies of contiguous (E, N, K) expert weights ``x`` (bf16, fp16 or fp32):
     ``[data (E, N, K), scale_inv (E, N, 1)]`` if ``rows``, then ``[data (E, K, N), scale_inv
     (E, K, 1)]`` if ``cols``; data in ``fp8_dtype`` (E4M3 or E5M2), scale_inv fp32, all
-    contiguous. Bit-identical to ``ops._quantize_experts_rowwise`` for the recipe with these
+    contiguous. Bit-identical to ``ops.experts_rowwise_torch`` for the recipe with these
     parameters (see the module docstring for how each step matches). ``available(x)`` says
     whether it can run on ``x``; ValueError for a tensor it does not take."""
     _check(x, fp8_dtype, fp8_max)
@@ -495,7 +495,7 @@ def quantize_experts_rowwise_for(x: Tensor, recipe: recipes.Recipe | str, role: 
                                  usage: str, *, config: KernelConfig | None = None
                                  ) -> list[Tensor]:
     """``quantize_experts_rowwise`` with the fp8 dtype, fp8 max, power-of-2 setting and amax
-    epsilon that ``recipe`` gives ``role``: a drop-in for ``ops._quantize_experts_rowwise(x,
+    epsilon that ``recipe`` gives ``role``: a drop-in for ``ops.experts_rowwise_torch(x,
     recipe, role, usage)`` (usage ``"rowwise"``, ``"columnwise"`` or ``"both"``). Any recipe's
     parameters are taken, as the torch function takes them; the rowwise recipes
     (``"rowwise"``, ``"rowwise_pow2"``) are the ones whose GEMMs read these scales."""
