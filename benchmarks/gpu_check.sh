@@ -21,21 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu_check}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}."
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu_check_site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
-fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"; } > "$out/machine.txt" 2>&1
-
-stage() {  # name, timeout in seconds, command...
-    local name=$1 limit=$2; shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "$name: exit $? after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/stages.txt"
-}
+source benchmarks/_gpu_stages.sh
 stage steps 200 python3 benchmarks/gpu_report.py --models llama gpt --no-pytest --sections steps \
     --budget-s 180 --configs "scaled_mm, default" blockwise torchao --out "$out/steps.md"
 stage experts 150 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
