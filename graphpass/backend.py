@@ -118,9 +118,11 @@ class Backend:
             from .fp8.weight_cache import QUANTIZE_WEIGHT
 
             _compat.register_persistent_outputs(QUANTIZE_WEIGHT)
-        exact = _compat.inductor_rounds_fused_casts(
-            device_types=[x.device.type for x in example_inputs if isinstance(x, torch.Tensor)])
+        device_types = [x.device.type for x in example_inputs if isinstance(x, torch.Tensor)]
+        exact = _compat.inductor_rounds_fused_casts(device_types=device_types)
         if self.config.fuse_quantize and self.config.fp8 in INLINED_RECIPES and exact:
+            if "cpu" in device_types:  # columnwise copies: bf16 tile transposes in C++
+                _compat.guard_cpp_bf16_transpose()
             patches["post_grad_custom_pre_pass"] = post_grad_pass(
                 _source_hash(), _compat.inductor_config().post_grad_custom_pre_pass)
             patches["emulate_precision_casts"] = True

@@ -417,6 +417,36 @@ def test_inlined_quantize_is_bit_identical_to_the_op(device, recipe, monkeypatch
     assert len(strides) >= 2 * 3 * 7 and all(s[-1] == 1 for s in strides), strides
 
 
+@pytest.mark.skipif(not _compat.inductor_rounds_fused_casts(device_types=["cpu"]),
+                    reason="torch 2.11's CPU code never gets fused quantizes")
+def test_two_fused_columnwise_copies_in_one_cpu_kernel_are_the_ops_bits():
+    """o_proj's wgrad operands in the tiny Llama's backward: two bf16 (128, 256) tensors' fused
+    columnwise quantizes, one C++ kernel with two transposed tile loads. On an AVX-512 CPU with
+    GCC 12 that kernel was miscompiled (NaN FP8 bytes from stack garbage,
+    ``_compat.guard_cpp_bf16_transpose``); under the settings the backend compiles fused
+    quantizes with, both copies and scales are the op's bits, here and on every other CPU."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from graphpass.fp8 import ops
+    from graphpass.fp8.inductor import fused_quantize
+
+    graphpass.backend(fp8="tensorwise")._inductor_patches([torch.empty(1)])  # the CPU guard
+
+    def quantize_both(g, x):
+        return (*fused_quantize(g, "tensorwise", "grad", "columnwise"),
+                *fused_quantize(x, "tensorwise", "input", "columnwise"))
+
+    g, x = torch.randn(2, 128, 256).to(torch.bfloat16)
+    with inductor_config.patch(emulate_precision_casts=True):
+        fused, [code] = run_and_get_code(torch.compile(quantize_both, backend="inductor"), g, x)
+    assert code.count('extern "C"') == 1 and code.count("transpose_mxn<") == 2, code
+    opaque = (*ops._quantize(g, "tensorwise", "grad", "columnwise"),
+              *ops._quantize(x, "tensorwise", "input", "columnwise"))
+    bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
+    assert [torch.equal(bits(a), bits(b)) for a, b in zip(fused, opaque)] == [True] * 4
+
+
 def _eager_step(model, inputs, **cfg):
     """``_inductor_step``'s outputs and gradients under graphpass's eager code generation."""
     torch._dynamo.reset()
