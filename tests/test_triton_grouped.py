@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from graphpass.fp8 import ops, providers, recipes
-from test_triton_quantize import make_input, mismatch, recipe_of
+from test_triton_quantize import make_input, mismatch, recipe_of, skip_without_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,7 +142,7 @@ def _interpreted_results(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, str | None]:
-    pytest.importorskip("triton")
+    skip_without_interpreter()
     from _session import once
 
     out = once(tmp_path_factory, "triton_grouped_interpreted", _interpreted_results,
