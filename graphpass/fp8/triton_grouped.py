@@ -166,8 +166,11 @@ if triton is not None:
                     tl.atomic_max(row_amax_ptr + n, tl.max(a, axis=1).to(tl.int32, bitcast=True),
                                   mask=n_in, sem="relaxed")
                 col_max = tl.maximum(col_max, tl.max(a, axis=0))
+            # the group's scalar conditions broadcast to the block first: a block mask of
+            # booleans (triton 3.9's interpreter refuses a block and-ed with a scalar bool)
+            kept = (tl.zeros_like(k) + g < G) & (tl.zeros_like(k) + hi > lo)
             tl.atomic_max(col_amax_ptr + g * K + k, col_max.to(tl.int32, bitcast=True),
-                          mask=k_in & (g < G) & (hi > lo), sem="relaxed")
+                          mask=k_in & kept, sem="relaxed")
 
     @triton.jit
     def _cast_kernel(x_ptr, offs_ptr, row_amax_ptr, col_amax_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
