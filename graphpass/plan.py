@@ -14,14 +14,20 @@ from .report import Report
 from . import _compat
 
 
-def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) -> Report:
-    """Trace and partition ``module(*example_inputs)`` under fake tensors and return the report.
+def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None,
+         **example_kwargs: Any) -> Report:
+    """Trace and partition ``module(*example_inputs, **example_kwargs)`` under fake tensors and
+    return the report.
 
-    Parameters, buffers and input tensors are replaced by fake tensors of the same shape, dtype,
-    strides and ``requires_grad`` (the caller's module is untouched), so a Llama-3-8B layer at
-    sequence 8192 plans in seconds on a laptop CPU. Tensors on the meta device are planned as CPU
-    tensors: meta has no fused attention kernel, and its math-path attention would save a
-    seq x seq matrix that no real device saves. Graph breaks give one report per graph, merged.
+    Keyword inputs are passed on as keywords, so a Hugging Face batch plans as it trains:
+    ``plan(model, **batch, config=...)``; ``config`` is the one keyword plan keeps for itself.
+    The report names a keyword input by its keyword (``input:input_ids``), a positional one by
+    its argument name. Parameters, buffers and input tensors (keyword ones too) are replaced by
+    fake tensors of the same shape, dtype, strides and ``requires_grad`` (the caller's module is
+    untouched), so a Llama-3-8B layer at sequence 8192 plans in seconds on a laptop CPU. Tensors
+    on the meta device are planned as CPU tensors: meta has no fused attention kernel, and its
+    math-path attention would save a seq x seq matrix that no real device saves. Graph breaks
+    give one report per graph, merged.
     """
     config = given(config)
     if not isinstance(module, nn.Module):
@@ -32,6 +38,8 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
     with mode:
         fake_module = _to_fake(module)
         fake_inputs = [_fake_like(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        fake_kwargs = {k: _fake_like(x) if isinstance(x, torch.Tensor) else x
+                       for k, x in example_kwargs.items()}
     partitioner = Partitioner(config, "graphpass.plan")
 
     def planning_backend(gm: torch.fx.GraphModule, inputs: Any):
@@ -41,7 +49,7 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None) 
     compiled = torch.compile(fake_module, backend=planning_backend, dynamic=False)
     with mode, _compat.unlimited_recompiles():
         try:
-            compiled(*fake_inputs)
+            compiled(*fake_inputs, **fake_kwargs)
         except Exception as e:  # a budget no plan meets: the ValueError itself
             error = _compat.backend_value_error(e)
             if error is None:

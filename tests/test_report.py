@@ -47,6 +47,30 @@ def test_mlp_exact_saved_set_and_bytes(codegen):
     assert report.bytes_by("dtype") == {"float32": 18432}
 
 
+class _Keywords(nn.Module):
+    """A forward taking its inputs through ``**kwargs``, as transformers' decorated forwards do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, **kwargs):
+        return (self.fc(kwargs["x"]) * kwargs["scale"]).sum()
+
+
+def test_plan_takes_keyword_inputs_and_names_them_by_keyword():
+    """``graphpass.plan(module, **inputs)``: keyword tensors are faked and passed on as keywords.
+    By hand: fc's wgrad saves x, the product's backward (into fc's output) saves scale, 8x64 f32
+    = 2048 B each; a keyword input is named by its keyword, whether the forward takes it through
+    ``**kwargs`` or names the argument."""
+    x, scale = torch.randn(8, 64), torch.randn(8, 64)
+    report = graphpass.plan(_Keywords(), x=x, scale=scale)
+    assert sorted((r.module, r.bytes) for r in report.rows if r.kind == "activation") == [
+        ("input:scale", 2048), ("input:x", 2048)]
+    report = graphpass.plan(MLP(), x=x, config=graphpass.Config())
+    assert ("input:x", 2048) in {(r.module, r.bytes) for r in report.rows}
+
+
 def test_views_are_counted_once_per_storage():
     """Saved h and a view of h: the storage is counted once, the view names its base."""
     with FakeTensorMode() as mode:

@@ -12,6 +12,7 @@ from .. import _compat
 _MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]|\._(?:modules|parameters|buffers)\[")
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+_KEYWORD = re.compile(r"\[([^\]]+)\]")
 _PRIVATE_DICTS = re.compile(r"\._(?:modules|parameters|buffers)\.")
 
 
@@ -19,13 +20,17 @@ def normalize_path(source: str, *, of_module: bool = True) -> str:
     """``L['self'].layers[0]._modules['attn']._parameters['weight']`` -> ``layers.0.attn.weight``.
 
     Graph-input sources (``of_module=False``) that are not attributes of the compiled module are
-    the user's inputs: ``L['x']`` -> ``input:x``.
+    the user's inputs: ``L['x']`` -> ``input:x``, and a keyword input that a ``**kwargs`` took
+    by its keyword: ``L['kwargs']['input_ids']`` -> ``input:input_ids``.
     """
     if not source:
         return ""
     if not of_module and not _MODULE_SOURCE.search(source):
         name = source[3:].split("'", 1)[0]
         rest = _SUBSCRIPT.sub(r"[\1]", source[3 + len(name) + 2:])
+        keyword = _KEYWORD.match(rest) if name == "kwargs" else None
+        if keyword:  # a keyword input (a forward taking **kwargs): by its keyword
+            name, rest = keyword.group(1), rest[keyword.end():]
         return f"input:{name}{rest}"
     path = _SOURCE_PREFIX.sub("", source)
     path = _SUBSCRIPT.sub(r".\1", path)

@@ -14,12 +14,15 @@ own (K, N) shape.
 Quantizes of forward tensors (X, W, both usages) are forward nodes, as in TE, so by default the
 partitioner saves the 1-byte columnwise copies for the backward; the save-original pass may move
 them into the backward instead. Each forward tensor is quantized once per usage, however many
-linears read it (q, k and v share one quantized norm output).
+linears read it (q, k and v share one quantized norm output), and so is each gradient that several
+linears read (a parallel block's two output projections, adding into one residual); a shared
+quantize sits before the first of its GEMMs in the graph's order (``_move_before``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import operator
 from typing import Any, Callable
@@ -29,21 +32,23 @@ import torch.fx as fx
 
 from .. import _compat
 from ..config import Config
-from ..decisions import Decision, Plan, Quantized, What, record
+from ..decisions import Decision, Plan, Quantized, What, facts, record
 from ..fp8 import cost, ops, providers, recipes, triton_quantize
 from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
 from ..graph.flops import node_flops
 from ..graph.linears import Linear, find_grouped, find_grouped_offsets, find_linears
-from ..graph.nodes import op_name
+from ..graph.nodes import module_path, op_name
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+_VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
 
 
 def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if config.fp8 is None:
         return
     quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]] = {}
+    replaced: dict[fx.Node, fx.Node] = {}  # each GEMM lowered so far: its FP8 GEMM
     plain = find_linears(joint)
     linears = plain + find_grouped(joint) + find_grouped_offsets(joint)
     for pattern in config.fp8_exclude:
@@ -64,7 +69,8 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
         if why:
             plan.decide(Decision(What.KERNELS, "fp8", why), once=True)
-        _rewrite(joint, lin, config.fp8_recipe, provider.name, quantized, config.fp8_accumulate)
+        _rewrite(joint, lin, config.fp8_recipe, provider.name, quantized, config.fp8_accumulate,
+                 replaced)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
         shown = "tensorwise_e4m3" if config.fp8_recipe == "tensorwise_e4m3" else config.fp8
@@ -81,8 +87,73 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     for gemm in gemms.gemms(joint):
         if gemm.reason is not None:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", gemm.reason, gemm.module), once=True)
-    joint.graph.lint()
+    _lint(joint)
     joint.recompile()
+
+
+def _lint(joint: fx.GraphModule) -> None:
+    """torch's lint of the rewritten graph, failing with one line that names the module whose
+    node is wrong (torch's own error, with its dump of the whole graph, is the cause)."""
+    try:
+        joint.graph.lint()
+    except Exception as e:
+        node, arg = _out_of_order(joint.graph)
+        where = (module_path(node) or module_path(arg)) if node is not None else ""
+        what = (f"node {node.name} reads {arg.name} before it is defined" if node is not None
+                else str(e).splitlines()[0] if str(e) else type(e).__name__)
+        workaround = f"; adding {where!r} to fp8_exclude keeps it in high precision" if where else ""
+        raise RuntimeError(f"graphpass fp8 lowering of {where or '<root>'} produced an invalid "
+                           f"graph: {what} (a graphpass bug{workaround})") from e
+
+
+def _out_of_order(graph: fx.Graph) -> tuple[fx.Node | None, fx.Node | None]:
+    """The first node of ``graph`` that reads a node defined after it, and that node."""
+    seen: set[fx.Node] = set()
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                return node, arg
+        seen.add(node)
+    return None, None
+
+
+def _precedes(a: fx.Node, b: fx.Node) -> bool:
+    """Whether node ``a`` comes before node ``b`` of the same graph: two walks forward, one from
+    each, so the cost is the distance between them, not the graph's length."""
+    walks = [a, b]
+    while walks[0] is not None or walks[1] is not None:
+        for i, (found, answer) in enumerate(((b, True), (a, False))):
+            if walks[i] is None:
+                continue
+            walks[i] = walks[i].next
+            if walks[i] is found:
+                return answer
+            if walks[i].op == "root":  # the end of the graph
+                walks[i] = None
+    raise ValueError(f"{a.name} and {b.name} are not two nodes of one graph")
+
+
+def _move_before(reused: tuple[fx.Node, fx.Node], x: fx.Node, before: fx.Node) -> None:
+    """A quantize is shared by every GEMM that reads the same tensor in the same role and usage
+    (q, k and v read one norm output; two output projections whose outputs meet in one residual
+    read one gradient). It was inserted before its first GEMM in the lowering's order, which need
+    not be the graph's: where it comes after ``before`` (the GEMM that reuses it), it moves with
+    its two getitems to just before ``before``; where its input comes after ``before`` too (a
+    view of the tensor made for another linear), it reads ``x``, this GEMM's view of the same
+    tensor, instead. A quantize already before ``before`` stays where it is."""
+    data, scale = reused
+    q = data.args[0]
+    if _precedes(q, before):
+        return
+    old = q.args[0]
+    if not _precedes(old, before):
+        q.update_arg(0, x)
+        for node in (q, data, scale):
+            record(node, quantized=dataclasses.replace(facts(node).quantized, source=x))
+        if not old.users and op_name(old) in _VIEWS:
+            old.graph.erase_node(old)
+    for node in (q, data, scale):
+        before.prepend(node)
 
 
 def _slower_in_fp8(linears: list[Linear], config: Config) -> dict[fx.Node, str]:
@@ -183,13 +254,23 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
 
 def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
              quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]],
-             accumulate: str = "te") -> None:
+             accumulate: str = "te", replaced: dict[fx.Node, fx.Node] | None = None) -> None:
     graph = joint.graph
+    replaced = {} if replaced is None else replaced
+    # The linears were found before any was lowered: one that reads another's output (a 2-D
+    # chain, no view between them) reads its FP8 GEMM now.
+    for field in ("x", "w", "bias", "offs"):
+        node = getattr(lin, field)
+        while node in replaced:
+            node = replaced[node]
+        setattr(lin, field, node)
 
     def quantize(x: fx.Node, role: str, columnwise: bool, before: fx.Node, backward: bool,
                  offs: fx.Node | None = None):
         key = (_canonical(x), role, columnwise, offs)
-        if key not in quantized:
+        if key in quantized:
+            _move_before(quantized[key], x, before)
+        else:
             usage = "columnwise" if columnwise else "rowwise"
             args = (x, recipe, role, usage) if offs is None else (x, recipe, role, usage, offs)
             with graph.inserting_before(before):
@@ -212,6 +293,7 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
             new = _call(graph, FP8_GEMM, (*args, *tail), before, backward)
         old.replace_all_uses_with(new)
         graph.erase_node(old)
+        replaced[old] = new
 
     if lin.offs is not None:
         _rewrite_token_groups(lin, quantize, gemm)
@@ -281,7 +363,7 @@ def _canonical(x: fx.Node) -> Any:
     an alias is its base (the canonicalize pass removes aliases; one kept as a graph output)."""
     if op_name(x) == "aten.alias":
         return _canonical(x.args[0])
-    if op_name(x) in ("aten.view", "aten.reshape", "aten._unsafe_view"):
+    if op_name(x) in _VIEWS:
         return (_canonical(x.args[0]), tuple(x.args[1]))
     return x
 
