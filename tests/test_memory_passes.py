@@ -278,14 +278,17 @@ def _grads_and_report(model, x, cfg, codegen="eager"):
     return _step_grads(model, x, compiled), graphpass.last_report()
 
 
-# CI runs a fixed set of examples (the "ci" profile in conftest.py); elsewhere each run draws anew.
-# GRAPHPASS_PROPERTY_EXAMPLES=300 hunts longer (about 1.3 s per example on 2 cores).
+# `make test` and CI run a fixed set of examples (the "ci" profile in conftest.py); `make hunt`
+# (GRAPHPASS_PROPERTY_EXAMPLES=N) draws N new ones (about 1.3 s per example on 2 cores).
 @settings(max_examples=int(os.environ.get("GRAPHPASS_PROPERTY_EXAMPLES", "10")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 # counterexamples found earlier, kept: a 5 KB CPU RNG state saved for a recomputed (dropout-free)
 # attention, and `act` selecting only the views around a GELU called in the layer's own forward
 @example(kinds=["attn"], dim=32, fp8=None, save="auto", memory="auto", recompute={"core_attn"}, seed=0)
 @example(kinds=["mlp"], dim=32, fp8="tensorwise", save="auto", memory="auto", recompute={"act"}, seed=0)
+# `mlp` took the rowwise outputs of a quantize of both usages (save="never"), not the quantize,
+# which stayed must-save: no partition (issue 33)
+@example(kinds=["mlp"], dim=32, fp8="tensorwise", save="never", memory="auto", recompute={"mlp"}, seed=0)
 @given(kinds=st.lists(st.sampled_from(["mlp", "rms", "attn", "drop"]), min_size=1, max_size=3),
        dim=st.sampled_from([32, 64]), fp8=st.sampled_from([None, "tensorwise"]),
        save=st.sampled_from(["auto", "never"]), memory=st.sampled_from(["auto", "default"]),
@@ -300,6 +303,89 @@ def test_random_stacks_and_policies(kinds, dim, fp8, save, memory, recompute, se
                                                      recompute=tuple(sorted(recompute))))
     assert all(torch.equal(a, b) for a, b in zip(grads, base))
     assert report.activation_bytes <= base_report.activation_bytes
+
+
+@pytest.mark.parametrize("merged", [dict(), dict(fp8_weight_once=True), dict(fp8_weight_cache=True)],
+                         ids=["inputs", "weight_once", "weight_cache"])
+@pytest.mark.parametrize("memory", ["auto", "default"])
+@pytest.mark.parametrize("kind", ["mlp", "rms"], ids=["layernorm", "rmsnorm"])
+def test_mlp_recompute_with_fp8_copies_quantized_once(kind, memory, merged):
+    """Issue 33: ``save_original="never"`` quantizes each linear input for both usages in one
+    must-save op (``fp8_weight_once`` and ``fp8_weight_cache`` each weight); ``recompute=("mlp",)``
+    recomputes fc1, GELU and fc2 in the backward, so it takes those quantizes whole (torch's
+    min-cut recomputes an op's outputs together and cannot save the tuple) and the MLP's FP8
+    copies are recomputed with it, as in a checkpointed module. By hand (x + fc2(gelu(fc1(norm(x))))
+    at B*S=32, dim 32, fc1 64 wide, fp32): only the block input x (4,096 B), from which the norm
+    is recomputed too; torch's default min-cut (``memory="default"``) keeps the norm's statistics
+    besides (LayerNorm: mean and rstd, RMSNorm: rstd; 2x16x1 fp32, 128 B each). The unoptimised
+    plan saves x, the statistics, fc1's output (8,192 B, for GELU's backward) and the columnwise
+    FP8 copies of fc1's and fc2's inputs (1,024 and 2,048 B, 4 B per scale). Gradients are
+    bit-identical to that plan's."""
+    torch.manual_seed(0)
+    model = _Stack(32, [kind])
+    x = torch.randn(2, 16, 32)
+    base, base_report = _grads_and_report(model, x, dict(fp8="tensorwise", **UNOPTIMISED))
+    grads, report = _grads_and_report(model, x, dict(
+        fp8="tensorwise", save_original="never", memory=memory, recompute=("mlp",), **merged))
+    assert all(torch.equal(a, b) for a, b in zip(grads, base))
+    stats = {("layers.0.norm", "aten.rsqrt", "float32", (2, 16, 1))} | (
+        {("layers.0.norm", "aten.var_mean", "float32", (2, 16, 1))} if kind == "mlp" else set())
+    assert _saved(report) == {("input:x", "input", "float32", (2, 16, 32))} | (
+        stats if memory == "default" else set())
+    assert report.activation_bytes == 4096 + (128 * len(stats) if memory == "default" else 0)
+    assert base_report.activation_bytes == 4096 + 128 * len(stats) + 8192 + 1024 + 2048 + 2 * 4
+
+
+def test_no_selection_splits_a_quantize_of_both_usages():
+    """Every recompute word takes a quantize of both usages (``save_original="never"``,
+    ``fp8_weight_once``) with the outputs it selects, never its outputs alone (issue 33), on a
+    dense stack (MLP, attention, norms) and a DeepSeek layer (MLA, MoE, shared experts)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from graphpass import pipeline
+    from graphpass.decisions import Plan
+    from graphpass.graph.nodes import op_name
+    from graphpass.graph.regions import WORDS, Regions
+    from graphpass.passes.recompute import recompute
+
+    joints = []
+    original = pipeline.PASSES
+    at = [p.__name__ for p in original].index("recompute")
+    pipeline.PASSES = (*original[:at], lambda joint, plan, config: joints.append(joint))
+    try:
+        torch.manual_seed(0)
+        cfg = graphpass.Config(fp8="tensorwise", save_original="never", fp8_weight_once=True)
+        graphpass.plan(_Stack(32, ["mlp", "attn", "rms"]), torch.randn(2, 16, 32), config=cfg)
+        model, inputs = deepseek.build("tiny", layers=1, seq=64)
+        graphpass.plan(model, *inputs, config=cfg)
+    finally:
+        pipeline.PASSES = original
+    merged_in = 0
+    for joint in joints:
+        both = [n for n in joint.graph.nodes if op_name(n) == "graphpass.quantize"
+                and n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE]
+        assert both
+        regions = Regions(joint)
+        for word in WORDS:
+            selected = regions.select(word)
+            for q in both:
+                taken = {g for g in q.users if g in selected}
+                assert not taken or q in selected, (word, q.name, sorted(g.name for g in taken))
+                merged_in += q in selected
+    assert merged_in  # the words do take such quantizes (mlp, moe, shared_experts, mla_up_proj)
+    # and the recompute pass keeps any selection in agreement with a must-save op: one that took
+    # an output alone takes the op with it
+    joint = joints[0]
+    q = next(n for n in joint.graph.nodes if op_name(n) == "graphpass.quantize"
+             and n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE)
+    getitem = next(iter(q.users))
+    original_select = Regions.select
+    Regions.select = lambda self, word: {getitem}
+    try:
+        recompute(joint, Plan(), graphpass.Config(recompute=("mlp",)))
+    finally:
+        Regions.select = original_select
+    assert q.meta["recompute"] == getitem.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
 
 
 def test_act_is_the_whole_chain_between_the_gemms_wherever_it_is_called():

@@ -363,7 +363,13 @@ class Regions:
                 if op_name(n) == QUANTIZE:
                     outputs = [u for u in users if op_name(u) == "getitem"]
                     backward_only = all(not self._users(g) for g in outputs) and len(outputs) == len(users)
-                    take = (users and all(u in region for u in users)) or (
+                    # a quantize of both usages (save_original="never", fp8_weight_once): the
+                    # outputs the forward reads all in the region, the others read by the
+                    # backward alone. Taken whole: torch's min-cut recomputes an op's outputs
+                    # together or not at all, and cannot save the tuple itself.
+                    both = len(outputs) == len(users) and any(u in region for u in outputs) and all(
+                        u in region or not self._users(u) for u in outputs)
+                    take = (users and all(u in region for u in users)) or both or (
                         backward_only and read_by_region(n.args[0]))
                     if take:
                         region |= {n, *outputs}

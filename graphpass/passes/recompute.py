@@ -8,6 +8,7 @@ recomputes it in the backward from whatever it does save (the norm's input, the 
 from __future__ import annotations
 
 import fnmatch
+import operator
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -17,7 +18,7 @@ from ..decisions import Decision, Plan, What
 from ..graph.nodes import is_backward, module_path
 from ..graph.regions import Regions
 from ..paths import layer_of
-from .tags import overruled_by_user, tag
+from .tags import overruled_by_user, tag, user_policy
 
 
 def recompute(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
@@ -35,6 +36,7 @@ def recompute(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 plan.count("recompute_include", pattern, 1)
             if matched:
                 selected.setdefault(node, word)
+    _whole_ops(selected)
     overruled: dict[str, list[fx.Node]] = {}
     for node, word in selected.items():
         if not tag(node, CheckpointPolicy.MUST_RECOMPUTE,
@@ -53,6 +55,19 @@ def recompute(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     if boundaries_overruled:
         plan.decide(overruled_by_user("recompute full (layer-chunk boundaries)",
                                       boundaries_overruled, CheckpointPolicy.MUST_SAVE))
+
+
+def _whole_ops(selected: dict[fx.Node, str]) -> None:
+    """A selected output of a multi-output op another pass tagged must-save (a quantize of both
+    usages: ``save_original="never"``, ``fp8_weight_once``) takes the op with it: torch's min-cut
+    recomputes an op's outputs together or not at all and cannot save the tuple itself, so the
+    two tags would leave it no partition. The selections take such quantizes whole already
+    (``Regions._complete``); this keeps any selection in agreement with the op's tag."""
+    for node, word in list(selected.items()):
+        op = node.args[0] if node.target is operator.getitem else None
+        if (isinstance(op, fx.Node) and op not in selected and user_policy(op) is None
+                and op.meta.get("recompute") == CheckpointPolicy.MUST_SAVE):
+            selected[op] = word
 
 
 def _full(regions: Regions, config: Config, overruled: list[fx.Node]) -> set[fx.Node]:
