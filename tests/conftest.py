@@ -6,9 +6,15 @@ import torch._functorch.config
 import torch._inductor.config
 from hypothesis import settings
 
-# CI must not turn red or green by chance: there, property tests run a fixed set of examples.
+# Neither `make test` nor CI may turn red or green by chance: property tests run a fixed set of
+# examples (the "ci" profile: derandomized, the same examples every run, no example database),
+# CI set or not. GRAPHPASS_PROPERTY_EXAMPLES=N (`make hunt`) loads "hunt": new random examples
+# every run, N for each property test that reads it, failures kept in .hypothesis/ and replayed
+# first by the next hunt.
+HUNTING = bool(os.environ.get("GRAPHPASS_PROPERTY_EXAMPLES"))
 settings.register_profile("ci", derandomize=True)
-settings.load_profile("ci" if os.environ.get("CI") else "default")
+settings.register_profile("hunt")
+settings.load_profile("hunt" if HUNTING else "ci")
 
 # Tests must see graphpass partition every graph; a cache hit would skip the partitioner. Set
 # the configs themselves: graphpass's pytest plugin imports torch before this file, too early for
