@@ -175,8 +175,10 @@ def _accumulating(result: Result, model: torch.nn.Module, inputs: tuple[torch.Te
     the note gives the weight quantizes per optimizer step the cache counted."""
     params = list(model.parameters())
     grad: list[torch.Tensor] = []
+    calls = [0]  # optimizer steps run (the timer runs warm-up calls of its own)
 
     def step() -> None:
+        calls[0] += 1
         for p in params:
             p.grad = None
         for _ in range(micro):
@@ -190,11 +192,12 @@ def _accumulating(result: Result, model: torch.nn.Module, inputs: tuple[torch.Te
         for _ in range(warmup):
             step()
         graphpass.clear_weight_cache()
+        calls[0] = 0
         result.ms = step_ms(step, steps) / micro
         stats = graphpass.weight_cache_stats()
         if stats.quantized:
-            result.note = (f"weight cache: {stats.quantized / steps:g} quantizes and "
-                           f"{stats.reused / steps:g} reuses per optimizer step")
+            result.note = (f"weight cache: {stats.quantized / calls[0]:g} quantizes and "
+                           f"{stats.reused / calls[0]:g} reuses per optimizer step")
     except Exception as e:  # an out-of-memory, a kernel error
         result.note = f"failed: {reason(e)}"
     return result

@@ -762,8 +762,12 @@ def test_experts_step_on_aligned_wgrad_operands_is_the_per_group_recipe(monkeypa
     assert all(torch.equal(a, b) for a, b in zip(
         step(dict(codegen="eager", kernels="reference")), want))
     grouped, single = _count_grouped(monkeypatch)
+    # torch 2.11's Inductor C++ code is no numerical reference for a bf16 step (the SwiGLU
+    # between the GEMMs; DEVELOPERS.md): there the Inductor step is not compared
+    exact = _compat.inductor_rounds_fused_casts(device_types=["cpu"])
     for codegen in ("eager", "inductor"):
         grouped.clear()
         got = step(dict(codegen=codegen, kernels="scaled_mm"))
         assert sorted(grouped) == ["2d x 2d"] * 2 + ["2d x 3d"] * 4 and not single, codegen
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), codegen
+        if codegen == "eager" or exact:
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), codegen

@@ -95,31 +95,37 @@ def test_experts_benchmark_dry_run(tmp_path):
     """benchmarks/experts_fp8.py on the CPU: bf16, FP8 rowwise, tensorwise e4m3 and tensorwise
     rows with numbers, a profile of the FP8 steps (one FP8 GEMM op per GEMM role: 6 for the two
     expert linears, every recipe alike; HYBRID tensorwise's per-expert _scaled_mm calls for
-    dgrad and wgrad on top), every target listed and none judged."""
+    dgrad and wgrad on top); four micro-batches per optimizer step with the weight cache, each
+    of the two expert weights quantized once per step and looked up by the forward and backward
+    of every other micro-batch; every target listed and none judged."""
     experts = _load_experts()
     out = tmp_path / "experts.md"
     assert experts.main(["--dry-run", "--cases", "experts_8k", "--steps", "1",
                          "--out", str(out)]) == 0
     text = out.read_text()
     assert "NOT GPU numbers" in text
-    rows = {tuple(c.strip() for c in m.group(0).strip("|").split("|")[:2]): m.group(0)
-            for m in re.finditer(r"^\| experts.*$", text, re.M)}
+    header = [c.strip() for c in re.search(r"^\| case .*$", text, re.M).group(0)
+              .strip("|").split("|")]
+    rows = {tuple(c[:2]): c for c in (
+        [c.strip() for c in m.group(0).strip("|").split("|")]
+        for m in re.finditer(r"^\| experts.*$", text, re.M))}
+    ms, launches, note = (header.index(h) for h in ("median ms", "GEMM launches/step", "note"))
     for config in ("bf16", "FP8 rowwise/scaled_mm", "FP8 tensorwise e4m3/scaled_mm",
-                   "FP8 tensorwise/scaled_mm"):
-        cells = [c.strip() for c in rows[("experts, 8,192 tokens", config)].strip("|").split("|")]
-        assert re.fullmatch(r"\d+\.\d\d", cells[2]), cells
-        assert "failed" not in cells[-1], cells
-    rowwise = [c.strip() for c in rows[("experts, 8,192 tokens", "FP8 rowwise/scaled_mm")]
-               .strip("|").split("|")]
-    assert rowwise[6] == "6"  # GEMM ops per step: no per-group _scaled_mm
-    e4m3 = [c.strip() for c in rows[("experts, 8,192 tokens", "FP8 tensorwise e4m3/scaled_mm")]
-            .strip("|").split("|")]
-    assert e4m3[6] == "6"
-    tensorwise = [c.strip() for c in rows[("experts, 8,192 tokens", "FP8 tensorwise/scaled_mm")]
-                  .strip("|").split("|")]
-    assert float(tensorwise[6]) > 6
+                   "FP8 tensorwise/scaled_mm", "bf16, 4 micro-batches",
+                   "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache"):
+        cells = rows[("experts, 8,192 tokens", config)]
+        assert re.fullmatch(r"\d+\.\d\d", cells[ms]), cells
+        assert "failed" not in cells[note], cells
+    case = "experts, 8,192 tokens"
+    assert rows[(case, "FP8 rowwise/scaled_mm")][launches] == "6"  # no per-group _scaled_mm
+    assert rows[(case, "FP8 tensorwise e4m3/scaled_mm")][launches] == "6"
+    assert float(rows[(case, "FP8 tensorwise/scaled_mm")][launches]) > 6
+    assert rows[(case, "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache")][note] == (
+        "weight cache: 2 quantizes and 14 reuses per optimizer step")
     targets = text.split("## Targets", 1)[1]
     assert "experts, 8,192 tokens: FP8 rowwise >= 1.0x bf16: not judged" in targets
+    assert ("experts, 8,192 tokens: FP8 rowwise with 4 micro-batches and the weight cache >= "
+            "1.15x bf16 with 4: not judged") in targets
     assert "no per-expert loop in the FP8 rowwise step" in targets
     assert "no per-expert loop in the FP8 tensorwise e4m3 step" in targets
     assert "PASS" not in targets and "FAIL" not in targets
