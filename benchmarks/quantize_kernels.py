@@ -121,18 +121,24 @@ def main() -> int:
             same = identical(ours(), ops.experts_rowwise_torch(
                 x, args.recipe, "weight", usage)) if x.numel() <= EAGER_CHECK_LIMIT else "-"
             floor = x.numel() * COPIES[usage] * (x.element_size() + 1)
-            row = f"| {'x'.join(map(str, shape))} | {usage} |"
-            if bench is None:
-                print(f"{row} - | - | - | - | - | {same} |")
-                continue
-            t_ours, t_theirs = bench(ours), bench(theirs)
-            print(f"{row} {t_ours:.3f} | {floor / t_ours / 1e6:.0f} | {t_theirs:.3f} | "
-                  f"{floor / t_theirs / 1e6:.0f} | {t_theirs / t_ours:.2f}x | {same} |")
+            print_row(f"| {'x'.join(map(str, shape))} | {usage} |", ours, theirs, floor, same,
+                      bench)
         del x
         torch.cuda.empty_cache() if device == "cuda" else None
     if args.sweep and bench is not None:
         sweep(shapes[0], args.recipe, bench)
     return 0
+
+
+def print_row(row: str, ours, theirs, floor: int, same: str, bench) -> None:
+    """One table row: the kernels' and Inductor's medians, their GB/s against ``floor`` bytes,
+    the speed-up and the bit-identity check; dashes where nothing is timed (``bench`` None)."""
+    if bench is None:
+        print(f"{row} - | - | - | - | - | {same} |")
+        return
+    t_ours, t_theirs = bench(ours), bench(theirs)
+    print(f"{row} {t_ours:.3f} | {floor / t_ours / 1e6:.0f} | {t_theirs:.3f} | "
+          f"{floor / t_theirs / 1e6:.0f} | {t_theirs / t_ours:.2f}x | {same} |")
 
 
 def group_ends(tokens: int, groups: int, device: str):
@@ -174,13 +180,7 @@ def grouped(shapes: list[tuple[int, int, int]], recipe: str, device: str, bench)
         same = identical(ours(), ops._quantize(x, recipe, "input", "both", offs)) \
             if x.numel() <= EAGER_CHECK_LIMIT else "-"
         floor = x.numel() * 2 * (x.element_size() + 1)
-        row = f"| {t}x{k}x{groups} |"
-        if bench is None:
-            print(f"{row} - | - | - | - | - | {same} |")
-            continue
-        t_ours, t_theirs = bench(ours), bench(theirs)
-        print(f"{row} {t_ours:.3f} | {floor / t_ours / 1e6:.0f} | {t_theirs:.3f} | "
-              f"{floor / t_theirs / 1e6:.0f} | {t_theirs / t_ours:.2f}x | {same} |")
+        print_row(f"| {t}x{k}x{groups} |", ours, theirs, floor, same, bench)
         del x
         torch.cuda.empty_cache() if device == "cuda" else None
     print()
