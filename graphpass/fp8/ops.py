@@ -225,11 +225,22 @@ def experts_rowwise_torch(x: Tensor, recipe: str, role: str, usage: str) -> list
 
 
 def uses_triton_weight_kernel(x: Tensor) -> bool:
-    """Whether a rowwise quantize of 3-D expert weights ``x`` runs graphpass's Triton kernels: a
-    contiguous CUDA tensor of a dtype they take, with triton installed."""
-    return (x.device.type == "cuda" and x.dim() == 3 and x.is_contiguous()
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and triton_quantize.available(x) is None)
+    """Whether a rowwise quantize of 3-D expert weights ``x`` runs graphpass's Triton kernels."""
+    return why_not_triton_weight_kernel(x) is None
+
+
+def why_not_triton_weight_kernel(x: Tensor) -> str | None:
+    """None where a rowwise quantize of expert weights ``x`` runs graphpass's Triton kernels (a
+    contiguous 3-D CUDA tensor of a dtype they take, with triton installed), else why not."""
+    if x.device.type != "cuda":
+        return f"the weight is on {x.device.type}"
+    if x.dim() != 3:
+        return f"the weight is {x.dim()}-D, not a stack of expert matrices"
+    if not x.is_contiguous():
+        return "the weight is not contiguous"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"its dtype is {x.dtype}"
+    return triton_quantize.available(x)
 
 
 def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) -> list[Tensor]:

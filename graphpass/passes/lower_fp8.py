@@ -33,7 +33,7 @@ import torch.fx as fx
 from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, Quantized, What, facts, record
-from ..fp8 import cost, ops, providers, recipes, triton_quantize
+from ..fp8 import cost, ops, providers, recipes
 from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
 from ..graph.flops import node_flops
@@ -208,11 +208,10 @@ def _weight_kernel(w: torch.Tensor) -> str:
     """What quantizes a rowwise 3-D expert weight on CUDA: graphpass's Triton kernels, or why
     Inductor's fused code of the recipe does instead (the same bits, each copy one more read of
     the weight)."""
-    if ops.uses_triton_weight_kernel(w):
+    why = ops.why_not_triton_weight_kernel(w)
+    if why is None:
         return ("graphpass's Triton kernels (fp8/triton_quantize.py: both copies' amaxes from "
                 "one read of the weight)")
-    why = triton_quantize.available(w) or (
-        "the weight is not contiguous" if not w.is_contiguous() else f"its dtype is {w.dtype}")
     return (f"Inductor's fused code, not graphpass's Triton kernels: {why} (the same bits, one "
             "more read of the weight per copy)")
 
