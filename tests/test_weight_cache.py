@@ -168,11 +168,29 @@ def test_a_weight_that_is_not_a_parameter_is_noted():
             return nn.functional.linear(x, w)
 
     config = graphpass.Config(fp8="tensorwise", kernels="reference", fp8_weight_cache=True)
-    report = graphpass.plan(Given(), torch.randn(32, 64, requires_grad=True),
-                            torch.randn(64, 64, requires_grad=True), config=config)
+    with pytest.warns(graphpass.EmptySelectionWarning, match="fp8_weight_cache"):
+        report = graphpass.plan(Given(), torch.randn(32, 64, requires_grad=True),
+                                torch.randn(64, 64, requires_grad=True), config=config)
     assert [str(n) for n in report.notes if "fp8_weight_cache" in str(n)] == [
         "fp8_weight_cache: not cached: <root>: the 64x64 weight is not a parameter (a gathered "
         "or computed weight is new every step), so it is quantized every step"]
+
+
+def test_a_cache_that_caches_nothing_warns():
+    """No weight of any compiled graph cached (here the one weight is an input): an
+    EmptySelectionWarning, as for any selection that finds nothing."""
+
+    class Given(nn.Module):
+        def forward(self, x, w):
+            return nn.functional.linear(x, w)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(Given(), backend=graphpass.backend(
+        fp8="tensorwise", kernels="reference", codegen="eager", fp8_weight_cache=True))
+    with pytest.warns(graphpass.EmptySelectionWarning,
+                      match="fp8_weight_cache='weights' selected nothing in the 1 graph"):
+        compiled(torch.randn(32, 64, requires_grad=True),
+                 torch.randn(64, 64, requires_grad=True)).sum().backward()
 
 
 def test_needs_a_recipe():

@@ -40,7 +40,7 @@ def fp8_weight_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         if (node.target is QUANTIZE and not is_backward(node) and node.args[2] == "weight"
                 and len(node.args) == 4):
             weights.setdefault(node.args[0], {})[node.args[3]] = node
-    plan.count(BY, "weights", len(weights))
+    cached = 0
     overruled: list[fx.Node] = []
     for w, by_usage in weights.items():
         module = module_path(next(iter(by_usage.values())))
@@ -60,11 +60,13 @@ def fp8_weight_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             overruled.append(node)
             continue
         node.target = QUANTIZE_WEIGHT
+        cached += 1
         nbytes = sum(tensor_bytes(v, where=f"{BY}'s size of {w.name}") for v in node.meta["val"])
         copies = "both FP8 copies" if node.args[3] == "both" else "its FP8 copy"
         plan.decide(Decision(What.WEIGHT_CACHED, BY, (
             f"the {shape} weight's {copies} quantized once per optimizer step and held between "
             f"steps ({nbytes:,} B)"), module, w.name))
+    plan.count(BY, "weights", cached)  # none in any graph: an EmptySelectionWarning
     if overruled:
         plan.decide(overruled_by_user(BY, overruled, CheckpointPolicy.MUST_RECOMPUTE))
     joint.graph.lint()
