@@ -31,6 +31,9 @@ FP8CacheFormat = Literal["e4m3_1x128_pow2", "e4m3_1x128", "e4m3_tensor", "e5m2_t
 FP8Accumulate = Literal["te", "fast", "precise"]
 # Which linears stay bf16 because FP8 would be slower: judged on an H100's roofline, or never.
 FP8CostModel = Literal["h100", "off"]
+# Whether lowered weights are quantized once per optimizer step and held between steps: never,
+# every weight, or those the memory budget's planner chooses within ``memory_budget``.
+FP8WeightCache = Literal[False, True, "auto"]
 
 @dataclass(frozen=True)
 class Config:
@@ -126,15 +129,17 @@ class Config:
     backward re-quantizes dgrad's copy from the resident parameter: no memory, one more read of
     the weight. A memory decision: gradients are bit-identical either way."""
 
-    fp8_weight_cache: bool = False
+    fp8_weight_cache: FP8WeightCache = False
     """Quantize each lowered weight once per optimizer step: with gradient accumulation, the
     first micro-batch after the weight changed quantizes both of its FP8 copies and the others
     reuse them (keyed on the parameter's version counter: an optimizer step, ``load_state_dict``
     or an in-place edit invalidates them; writes through ``p.data`` do not, see
     ``graphpass.clear_weight_cache``). The copies are held between steps, 1 byte per element and
     copy (as much as the bf16 weight for a weight with dgrad), listed in the report and counted
-    in the step peak. A memory decision: gradients are bit-identical either way
-    (docs/fp8.md#fp8_weight_cache)."""
+    in the step peak. ``True``: every weight that is a parameter; ``"auto"``: the weights the
+    memory planner chooses where the predicted peak stays within ``memory_budget``, the most
+    quantize work per cached byte first (without a budget, none, with a note). A memory
+    decision: gradients are bit-identical either way (docs/memory.md#fp8_weight_cache)."""
 
     recompute: tuple[RecomputeModule, ...] = ()
     """Output-discarding recompute, in Megatron's words: ``layernorm``, ``act``, ``moe_act``,
@@ -248,11 +253,14 @@ class Config:
             )
         _type("report", self.report, bool)
         _type("fuse_quantize", self.fuse_quantize, bool)
+        _type("order_backward", self.order_backward, bool)
         if self.fp8_pow2_scales is not None:
             _type("fp8_pow2_scales", self.fp8_pow2_scales, bool)
         _type("fp8_all_gather", self.fp8_all_gather, bool)
         _type("fp8_weight_once", self.fp8_weight_once, bool)
-        _type("fp8_weight_cache", self.fp8_weight_cache, bool)
+        if not (isinstance(self.fp8_weight_cache, bool) or self.fp8_weight_cache == "auto"):
+            raise ValueError(f"invalid graphpass option fp8_weight_cache={self.fp8_weight_cache!r}; "
+                             "valid values are: False, True, 'auto'")
         for name in ("fp8_exclude", "save_original_modules", "recompute", "recompute_include",
                      "offload_exclude"):
             _patterns(self, name)

@@ -38,6 +38,7 @@ class What(enum.Enum):
     WEIGHT_ONCE = "fp8_weight_once: {module}: {why}"
     WEIGHT_CACHED = "fp8_weight_cache: {module}: {why}"
     WEIGHT_NOT_CACHED = "fp8_weight_cache: not cached: {module}: {why}"
+    WEIGHT_CACHE = "fp8_weight_cache: {why}"
     # quantize before dispatch: the routed experts' input re-gathered in the backward
     REGATHERED = "dispatch: {module}: {why}"
     NOT_REGATHERED = "dispatch: {module}: not re-gathered: {why}"

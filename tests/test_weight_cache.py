@@ -194,8 +194,15 @@ def test_a_cache_that_caches_nothing_warns():
 
 
 def test_needs_a_recipe():
-    with pytest.raises(ValueError, match="fp8_weight_cache"):
-        graphpass.Config(fp8_weight_cache=True)
+    for value in (True, "auto"):
+        with pytest.raises(ValueError, match="fp8_weight_cache"):
+            graphpass.Config(fp8_weight_cache=value)
+
+
+@pytest.mark.parametrize("value", [1, 0, "on", None])
+def test_values_are_false_true_or_auto(value):
+    with pytest.raises(ValueError, match=r"fp8_weight_cache=.*valid values are: False, True, 'auto'"):
+        graphpass.Config(fp8="tensorwise", fp8_weight_cache=value)
 
 
 def test_dense_weights_cached_too():
@@ -271,3 +278,126 @@ def test_cached_and_uncached_steps_are_bit_identical_on_cuda():
         grads.append(_grads(model))
     assert (weight_cache.stats().quantized, weight_cache.stats().reused) == (2, 2 * (2 * MICRO - 1))
     assert _same_bits(*grads)
+
+
+# --- fp8_weight_cache="auto": the weights the memory budget chooses ------------------------------
+
+def _mlp():
+    """Three fp32 linears, no bias: 256x64 (A), 128x256 (B), 64x128 (C). Under tensorwise
+    scaling each cached weight holds both copies, 1 byte per element each, and two fp32 scales:
+    A 32,776 B, B 65,544 B, C 16,392 B."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256, bias=False), nn.GELU(),
+                         nn.Linear(256, 128, bias=False), nn.GELU(),
+                         nn.Linear(128, 64, bias=False))
+
+
+_HELD = {"0": 2 * 256 * 64 + 8, "2": 2 * 128 * 256 + 8, "4": 2 * 64 * 128 + 8}
+_AUTO = dict(fp8="tensorwise", kernels="reference", codegen="eager")
+
+
+def _mlp_input() -> torch.Tensor:
+    return torch.randn(32, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+
+def _cached_modules(report) -> set[str]:
+    return {n.module for n in report.decisions if n.what is graphpass.What.WEIGHT_CACHED}
+
+
+def _unbudgeted_peak() -> int:
+    report = graphpass.plan(_mlp(), _mlp_input(), config=graphpass.Config(
+        **_AUTO, fp8_weight_cache="auto"))
+    return report.meta["step_peak"]["bytes"]
+
+
+@pytest.mark.parametrize("room, cached", [
+    (_HELD["0"] + _HELD["2"] + _HELD["4"], {"0", "2", "4"}),
+    (_HELD["2"] + _HELD["4"] + 100, {"2", "4"}),
+    (_HELD["2"] + 100, {"2"}),
+    (_HELD["4"] + 100, {"4"}),
+    (_HELD["4"] - 1, set()),
+], ids=["all", "B+C", "B", "C", "none"])
+def test_auto_caches_the_weights_a_budget_leaves_room_for(room, cached):
+    """By hand: the weights' cached copies are live for the whole step, so each cached weight
+    raises this model's peak (in the backward, where no weight quantize runs) by exactly what it
+    holds. The order is the most quantize work per cached byte first: each weight's two
+    quantizes read 4 B per element and write 1 B per element and a 4 B scale, against 2 B per
+    element and two scales held, (10N + 8) / (2N + 8), highest for the largest (B, A, C). With
+    room for B and C but not A besides B, the run that fits is [B], A is over, C fits on top;
+    with room for C alone, B and A are over and C fits. Every weight gets a note, and so does
+    the summary; the report's peak counts the cached bytes and is within the budget."""
+    peak = _unbudgeted_peak()
+    budget = peak + room
+    report = graphpass.plan(_mlp(), _mlp_input(), config=graphpass.Config(
+        **_AUTO, fp8_weight_cache="auto", memory_budget=budget))
+    assert _cached_modules(report) == cached
+    step = report.meta["step_peak"]
+    held = sum(_HELD[m] for m in cached)
+    assert step["by_kind"].get("cached", 0) == held
+    assert step["bytes"] == peak + held <= budget
+    notes = [n for n in report.notes if n.startswith("fp8_weight_cache")]
+    shapes = {"0": "256x64", "2": "128x256", "4": "64x128"}
+    for m in ("2", "0", "4"):
+        if m in cached:
+            assert any(n.startswith(f"fp8_weight_cache: {m}: the {shapes[m]} weight's both FP8 "
+                                    f"copies quantized once per optimizer step and held between "
+                                    f"steps ({_HELD[m]:,} B); chosen within memory_budget")
+                       for n in notes)
+        else:
+            assert (f"fp8_weight_cache: not cached: {m}: the {shapes[m]} weight's copies "
+                    f"({_HELD[m]:,} B) would take the predicted peak over memory_budget "
+                    f"({graphpass.report.format_bytes(budget)})") in notes
+    assert notes[-1].startswith(
+        f"fp8_weight_cache: 'auto' under memory_budget: {len(cached)} of 3 weight(s) cached "
+        f"({held:,} B)")
+
+
+def test_auto_without_a_budget_caches_nothing_and_says_so():
+    """No budget to choose within: nothing cached, one note with what could be, no warning
+    (the note is the answer), and the plan is the uncached one."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphpass.EmptySelectionWarning)
+        report = graphpass.plan(_mlp(), _mlp_input(), config=graphpass.Config(
+            **_AUTO, fp8_weight_cache="auto"))
+    off = graphpass.plan(_mlp(), _mlp_input(), config=graphpass.Config(**_AUTO))
+    assert [n for n in report.notes if "fp8_weight_cache" in n] == [
+        "fp8_weight_cache: 'auto' caches weights within memory_budget, and none is set: no "
+        f"weight cached (3 could be, {sum(_HELD.values()):,} B; set memory_budget, or "
+        "fp8_weight_cache=True to cache every one)"]
+    assert report.meta["step_peak"] == off.meta["step_peak"]
+    assert "cached" not in report.meta["step_peak"]["by_kind"]
+
+
+def test_auto_peak_is_measured_and_gradients_are_bit_identical():
+    """Four micro-batches under False, True and "auto" with room for B and C: the accumulated
+    gradients bit for bit the same; under "auto" two weights quantized once per step; and the
+    first micro-batch's peak (the cache cleared: its copies allocated in the step) measured by
+    MemTracker equals the prediction, the cached bytes counted."""
+    from test_peak import measured_step
+
+    budget = _unbudgeted_peak() + _HELD["2"] + _HELD["4"] + 100
+    x = _mlp_input().detach()
+    grads, peaks = {}, {}
+    for cache in (False, True, "auto"):
+        model = _mlp()
+        torch._dynamo.reset()
+        backend = graphpass.backend(**_AUTO, fp8_weight_cache=cache,
+                                    **({"memory_budget": budget} if cache == "auto" else {}))
+        step = torch.compile(lambda t: model(t).pow(2).mean(), backend=backend)
+        weight_cache.clear()
+        for m in range(MICRO):
+            step((x * (1 + m)).requires_grad_()).backward()
+        if cache == "auto":  # B and C: forward and backward, on each micro-batch
+            assert (weight_cache.stats().quantized, weight_cache.stats().reused) == (
+                2, 2 * (2 * MICRO) - 2)
+        grads[cache] = [p.grad.clone() for p in model.parameters()]
+        weight_cache.clear()
+        model.zero_grad(set_to_none=True)
+        peaks[cache] = (backend.report().meta["step_peak"]["bytes"],
+                        measured_step(model, step, x.clone().requires_grad_()))
+    assert _same_bits(grads[True], grads[False]) and _same_bits(grads["auto"], grads[False])
+    for cache, (predicted, measured) in peaks.items():
+        assert measured == predicted, (cache, predicted, measured)
+    assert peaks["auto"][0] - peaks[False][0] == _HELD["2"] + _HELD["4"]

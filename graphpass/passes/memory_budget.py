@@ -57,6 +57,7 @@ from ..graph.nodes import (is_backward, is_random, module_path, op_name, produce
 from ..graph.regions import forward_calls
 from ..graph.roofline import H100
 from ..report import format_bytes
+from .fp8_weight_cache import within_budget
 from .offload import why_not_offloaded
 from .tags import user_policy
 
@@ -104,6 +105,7 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         plan.decide(Decision(What.BUDGETED, "memory_budget", (
             f"the predicted peak {format_bytes(peak['bytes'])} fits {format_bytes(budget)}"
             f"{of_what} without a change")))
+        _cache_weights(joint, plan, config, budget, of_what, peak)
         return
     unbudgeted = peak["bytes"]
     on_device = peak["device"] != "cpu"
@@ -154,6 +156,16 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         + ("" if every is None else
            f" against {format_seconds(every)} for every choice the backward reads")
         + f"; {search.partitions} partition(s): {how}")))
+    _cache_weights(joint, plan, config, budget, of_what, final)
+
+
+def _cache_weights(joint: fx.GraphModule, plan: Plan, config: Config, budget: int,
+                   of_what: str, peak: dict[str, Any]) -> None:
+    """``fp8_weight_cache="auto"``: the weights cached within what the plan leaves of the
+    budget (``fp8_weight_cache.within_budget``)."""
+    if config.fp8 is not None and config.fp8_weight_cache == "auto":
+        assert plan.predict_peak is not None
+        within_budget(joint, plan, budget, of_what, peak, lambda: plan.predict_peak(joint)[0])
 
 
 def _greedy(search: _Search, budget: int, offloadable: list[fx.Node], overlap: bool,
