@@ -21,7 +21,7 @@ from .graph.collectives import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
 from .graph.offload_copies import copy_notes, offload_copies
-from .graph.outcome import outcome_notes
+from .graph.outcome import outcome_notes, weight_once_outcome
 from .graph.peak import step_peak
 from .graph.saved import saved_rows
 from .report import Report
@@ -65,7 +65,7 @@ class ReportBuilder:
         outcome, recompute_flops = outcome_notes(fw, bw, num_fwd_outputs=self.num_fwd_outputs)
         lowered = any(d.what is What.LOWERED for d in self.plan.decisions)
         report.decisions = [
-            *self.plan.decisions,
+            *weight_once_outcome(self.plan.decisions, bw),
             *(Decision(What.FLOPS_ESTIMATED, "flops", f"{op} ({why})")
               for op, why in self.estimated.items()),
             *self._fusion_notes(),

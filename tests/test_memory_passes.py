@@ -594,3 +594,27 @@ def test_dropout_masks_are_never_redrawn_in_the_backward(codegen):
     if codegen == "eager":
         for a, b in zip(base, eager):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recompute", [(), ("mlp",), ("full",)])
+def test_fp8_weight_once_note_says_whether_dgrads_copy_is_saved(recompute):
+    """``fp8_weight_once``'s note says dgrad's copy is saved where the partition saves it; under
+    a recompute selection that takes the weight's quantize of both usages (``mlp``, ``full``) the
+    backward quantizes the weight again, nothing of it is saved, and the note says that, naming
+    the selection. By hand (fc1 64x32, fc2 32x64, tensorwise): each saved copy 2,048 B of FP8
+    data and a 4 B scale."""
+    torch.manual_seed(0)
+    report = graphpass.plan(_Stack(32, ["mlp"]), torch.randn(2, 16, 32), config=graphpass.Config(
+        fp8="tensorwise", fp8_weight_once=True, recompute=recompute))
+    notes = [n for n in report.notes if n.startswith("fp8_weight_once")]
+    weight_rows = [r for r in report.rows if r.kind == "fp8_data" and r.shape in ((32, 64),)]
+    head = "the weight's two FP8 copies quantized in the forward, from one read"
+    if not recompute:
+        assert notes == [f"fp8_weight_once: layers.0.{m}: {head}; dgrad's copy saved (2,052 B)"
+                         for m in ("fc1", "fc2")]
+        assert [r.module for r in weight_rows] == ["layers.0.fc1"]  # fc1's W.T (32x64)
+    else:
+        assert notes == [f"fp8_weight_once: layers.0.{m}: {head}, and again in the backward "
+                         f"(recompute {recompute[0]}): dgrad's copy recomputed, not saved"
+                         for m in ("fc1", "fc2")]
+        assert not [r for r in report.rows if r.kind.startswith("fp8")]

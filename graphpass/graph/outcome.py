@@ -53,6 +53,24 @@ def outcome_notes(fw: fx.GraphModule, bw: fx.GraphModule, *,
     return notes, flops
 
 
+def weight_once_outcome(decisions: list[Decision], bw: fx.GraphModule) -> list[Decision]:
+    """``decisions`` with each ``fp8_weight_once`` note of a weight whose quantize of both usages
+    the backward recomputes (a recompute selection took it, or the memory budget, or your
+    checkpoint) saying so: its note, written before those passes, says dgrad's copy is saved,
+    and the partition saves nothing of it."""
+    recomputed: dict[str, str] = {}
+    for node in bw.graph.nodes:
+        if (node.op == "call_function" and op_name(node) == "graphpass.quantize"
+                and _compat.partition_side(node) == "is_forward" and len(node.args) >= 4
+                and node.args[2] == "weight" and node.args[3] == "both"
+                and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"):
+            recomputed[node.args[0].name] = recompute_decision(node).by
+    return [dataclasses.replace(d, why=(
+                "the weight's two FP8 copies quantized in the forward, from one read, and again "
+                f"in the backward ({recomputed[d.node]}): dgrad's copy recomputed, not saved"))
+            if d.what is What.WEIGHT_ONCE and d.node in recomputed else d for d in decisions]
+
+
 def recompute_decision(node: fx.Node) -> Decision:
     """Why a forward node is recomputed (or kept saved): a pass's decision, else the user's
     checkpoint region, else torch's min-cut's own choice."""
