@@ -111,7 +111,7 @@ class Backend:
     def _inductor_patches(self, example_inputs: Sequence[Any]) -> dict[str, Any]:
         """Inductor settings for one compile: our partitioner, and the quantize inlining where
         Inductor keeps its bits exact on every device of the graph (the pipeline notes when not)."""
-        from .fp8.inductor import INLINED_RECIPES, post_grad_pass
+        from .fp8.inductor import inlinable, post_grad_pass
 
         patches: dict[str, Any] = {"custom_partitioner_fn": self.partitioner}
         if self.config.fp8_weight_cache:
@@ -120,7 +120,8 @@ class Backend:
             _compat.register_persistent_outputs(QUANTIZE_WEIGHT)
         device_types = [x.device.type for x in example_inputs if isinstance(x, torch.Tensor)]
         exact = _compat.inductor_rounds_fused_casts(device_types=device_types)
-        if self.config.fuse_quantize and self.config.fp8 in INLINED_RECIPES and exact:
+        recipe = self.config.recipe
+        if self.config.fuse_quantize and recipe is not None and inlinable(recipe) and exact:
             if "cpu" in device_types:  # columnwise copies: bf16 tile transposes in C++
                 _compat.guard_cpp_bf16_transpose()
             patches["post_grad_custom_pre_pass"] = post_grad_pass(

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from .fp8 import recipes
+
 # The fields that take one of a fixed set of values are typed with these; their valid values (and
 # the CLI's flags) are read from the types: CHOICES below.
 Codegen = Literal["inductor", "eager"]
@@ -210,18 +212,21 @@ class Config:
         return self.memory or ("auto" if self.fp8 else "default")
 
     @property
+    def recipe(self) -> recipes.Recipe | None:
+        """The FP8 recipe the options name (None: FP8 off): ``fp8`` with its variant of
+        ``fp8_format``, ``fp8_pow2_scales`` and ``fp8_accumulate`` (``recipes.from_options``)."""
+        return recipes.from_options(self.fp8, self.fp8_format, self.fp8_pow2_scales,
+                                    self.fp8_accumulate)
+
+    @property
     def fp8_recipe(self) -> str | None:
-        """The recipe name the FP8 graph ops carry: ``fp8``, ``"rowwise_pow2"`` for
-        ``fp8="rowwise"`` with ``fp8_pow2_scales=True``, ``"blockwise_nopow2"`` for
-        ``fp8="blockwise"`` with ``fp8_pow2_scales=False``, or ``"tensorwise_e4m3"`` for
-        ``fp8="tensorwise"`` with ``fp8_format="e4m3"``."""
-        if self.fp8 == "tensorwise" and self.fp8_format == "e4m3":
-            return "tensorwise_e4m3"
-        if self.fp8 == "rowwise" and self.fp8_pow2_scales is True:
-            return "rowwise_pow2"
-        if self.fp8 == "blockwise" and self.fp8_pow2_scales is False:
-            return "blockwise_nopow2"
-        return self.fp8
+        """The recipe key the FP8 graph ops carry (``Recipe.key``): ``fp8``, ``"rowwise_pow2"``
+        for ``fp8="rowwise"`` with ``fp8_pow2_scales=True``, ``"blockwise_nopow2"`` for
+        ``fp8="blockwise"`` with ``fp8_pow2_scales=False``, ``"tensorwise_e4m3"`` for
+        ``fp8="tensorwise"`` with ``fp8_format="e4m3"``, and a word for an ``fp8_accumulate``
+        other than ``"te"`` (``"tensorwise_fast"``)."""
+        recipe = self.recipe
+        return None if recipe is None else recipe.key
 
     @property
     def offload_on_stream(self) -> bool:
@@ -375,10 +380,10 @@ def _combinations(config: Config) -> None:
         ("fp8_accumulate", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("fp8_cost_model", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
         ("kernels", config.fp8 is not None, "fp8='tensorwise' (or another recipe)"),
-        ("fp8_pow2_scales", config.fp8 in ("rowwise", "blockwise"),
+        ("fp8_pow2_scales", recipes.takes_option(config.fp8, "fp8_pow2_scales"),
          "fp8='rowwise' or fp8='blockwise' (mxfp8's E8M0 scales are powers of two by "
          "construction, tensorwise's are not rounded)"),
-        ("fp8_format", config.fp8 == "tensorwise",
+        ("fp8_format", recipes.takes_option(config.fp8, "fp8_format"),
          "fp8='tensorwise' (the other recipes are E4M3 in every role already)"),
         ("recompute_method", "full" in config.recompute, "recompute=('full',)"),
         ("recompute_num_layers", "full" in config.recompute, "recompute=('full',)"),

@@ -817,9 +817,9 @@ def test_blockwise_scale_option():
     assert recipes.get_recipe("blockwise").power_2_scales
     assert not recipes.get_recipe("blockwise_nopow2").power_2_scales
     assert recipes.get_recipe("blockwise_nopow2").name == "blockwise"
-    assert recipes.recipe_key("blockwise", False) == "blockwise_nopow2"
-    assert recipes.recipe_key("blockwise", None) == recipes.recipe_key("blockwise", True) == (
-        "blockwise")
+    assert recipes.from_options("blockwise", fp8_pow2_scales=False).key == "blockwise_nopow2"
+    assert recipes.from_options("blockwise").key == recipes.from_options(
+        "blockwise", fp8_pow2_scales=True).key == "blockwise"
     for recipe in ("tensorwise", "mxfp8", None):
         with pytest.raises(ValueError, match="fp8_pow2_scales=False has no effect without "
                            "fp8='rowwise' or fp8='blockwise'"):
@@ -827,7 +827,7 @@ def test_blockwise_scale_option():
     with pytest.raises(ValueError, match="expected a bool"):
         config(fp8="blockwise", fp8_pow2_scales="no")
     with pytest.raises(ValueError, match="option of fp8='rowwise' and fp8='blockwise'"):
-        recipes.recipe_key("mxfp8", True)
+        recipes.from_options("mxfp8", fp8_pow2_scales=True)
     assert config(fp8="blockwise", fp8_pow2_scales=False, kernels="scaled_mm").kernels == (
         "scaled_mm")
     uuids = {Partitioner(config(fp8="blockwise", fp8_pow2_scales=p)).uuid()

@@ -33,7 +33,7 @@ from torch import Tensor
 from .. import _compat
 from . import recipes
 
-RECIPE = "blockwise"
+SCALING = recipes.Scaling.BLOCKWISE  # the scaling of the recipes this GEMM runs
 
 
 def unsupported(device: torch.device) -> str | None:
@@ -54,7 +54,7 @@ def unsupported(device: torch.device) -> str | None:
 
 def _tiled(role: str) -> bool:
     """Whether ``role``'s blockwise scales are 128x128 tiles (weights), not 1x128 blocks."""
-    return recipes.block_shape(RECIPE, role) == (128, 128)
+    return recipes.BLOCKWISE.block(role) == (128, 128)
 
 
 def scale_layouts(a_scale_inv: Tensor, b_scale_inv: Tensor, a_role: str,

@@ -43,10 +43,10 @@ from . import recipes
 
 # format -> (recipe, the role whose fp8 dtype and block shape it uses)
 FORMATS: dict[str, tuple[recipes.Recipe, str]] = {
-    "e4m3_1x128": (recipes.Recipe("blockwise", "E4M3", power_2_scales=False), "input"),
-    "e4m3_1x128_pow2": (recipes.Recipe("blockwise", "E4M3", power_2_scales=True), "input"),
-    "e4m3_tensor": (recipes.Recipe("tensorwise", "E4M3", power_2_scales=False), "input"),
-    "e5m2_tensor": (recipes.Recipe("tensorwise", "HYBRID", power_2_scales=False), "grad"),
+    "e4m3_1x128": (recipes.BLOCKWISE_NOPOW2, "input"),
+    "e4m3_1x128_pow2": (recipes.BLOCKWISE, "input"),
+    "e4m3_tensor": (recipes.TENSORWISE_E4M3, "input"),
+    "e5m2_tensor": (recipes.TENSORWISE, "grad"),
 }
 # Mantissa bits and the smallest normal exponent of each format's fp8 dtype, for the error bound.
 _BITS = {recipes.E4M3: (3, -6), recipes.E5M2: (2, -14)}
@@ -131,7 +131,7 @@ def error_bound(x: Tensor, fmt: str) -> Tensor:
     if recipe.power_2_scales:
         scale_inv = recipes.e8m0_to_float(scale_inv)
     per_element = scale_inv.float()
-    if recipe.name == "blockwise":
+    if recipe.scaling is recipes.Scaling.BLOCKWISE:
         rows = _rows(x)
         per_element = scale_inv.repeat_interleave(128, dim=1)[:, :rows.shape[1]].reshape(x.shape)
     bound = 2.0 ** -(mantissa + 1) * x.float().abs() + 2.0 ** (e_min - mantissa - 1) * per_element

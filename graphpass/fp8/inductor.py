@@ -43,17 +43,19 @@ from .. import _compat
 from ..decisions import Decision, What
 from . import ops, recipes
 
-INLINED_RECIPES = ("tensorwise", "rowwise", "blockwise")
+INLINED = (recipes.Scaling.TENSORWISE, recipes.Scaling.ROWWISE, recipes.Scaling.BLOCKWISE)
+INLINED_RECIPES = tuple(s.value for s in INLINED)  # their names, as the notes say them
 
 
-def inlinable(recipe: str) -> bool:
+def inlinable(recipe: recipes.Recipe | str) -> bool:
     """Whether a quantize is inlined: every tensorwise, rowwise and blockwise one (either scale
     setting), on every device and in every role, over token groups too (each written without a
     loop over the groups or a host sync)."""
-    return recipes.get_recipe(recipe).name in INLINED_RECIPES
+    return recipes.as_recipe(recipe).scaling in INLINED
 
 
-def fusion_notes(*, device_types: set[str], recipe: str | None = None) -> list[Decision]:
+def fusion_notes(*, device_types: set[str],
+                 recipe: recipes.Recipe | str | None = None) -> list[Decision]:
     """The report's decisions for the quantizes ``fuse_quantize`` leaves as one op on these
     devices, under ``recipe``."""
     if not _compat.inductor_rounds_fused_casts(device_types=device_types):
@@ -63,7 +65,7 @@ def fusion_notes(*, device_types: set[str], recipe: str | None = None) -> list[D
             "quantize runs as one op (torch >= 2.13 fuses them)"))]
     if recipe is not None and not inlinable(recipe):
         return [Decision(What.FUSE_QUANTIZE_OFF, "fuse_quantize", (
-            f"{recipes.get_recipe(recipe).name} quantizes run as one op each (graphpass inlines "
+            f"{recipes.as_recipe(recipe).name} quantizes run as one op each (graphpass inlines "
             f"{', '.join(INLINED_RECIPES[:-1])} and {INLINED_RECIPES[-1]} ones)"))]
     return []
 
@@ -109,7 +111,7 @@ def triton_weight_quantize(node: fx.Node) -> bool:
     the weight cache (``fp8_weight_cache``) holds them or each step quantizes them."""
     x = node.args[0]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return (isinstance(val, torch.Tensor) and recipes.is_rowwise(node.args[1])
+    return (isinstance(val, torch.Tensor) and recipes.get_recipe(node.args[1]).per_row
             and ops.uses_triton_weight_kernel(val))
 
 
@@ -124,9 +126,10 @@ def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[
     one amax and one scale (the columnwise copy is the rowwise one transposed, bit for bit),
     rowwise (2-D, or a stack of expert matrices) has one amax per row of each copy. The scales
     are a buffer of their own (``_stored``)."""
-    if recipes.get_recipe(recipe).name == "blockwise":
+    rec = recipes.get_recipe(recipe)
+    if rec.scaling is recipes.Scaling.BLOCKWISE:
         return _fused_blockwise(x, recipe, role, usage)
-    if recipes.is_rowwise(recipe) and x.dim() in (2, 3):
+    if rec.per_row and x.dim() in (2, 3):
         out = []
         for columnwise in ops._COLUMNWISE[usage]:
             # the recipe's arithmetic (recipes.rowwise_quantize) with its scales stored; x is

@@ -7,6 +7,8 @@ the GEMM has a FLOP formula, so torch's partitioner and its budget solver can co
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -40,7 +42,7 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str,
     if x.dim() == 3:
         # A group of matrices (one per MoE expert): each quantized on its own, so every scale,
         # tensorwise ones included, belongs to one expert (as in TE's GroupedLinear).
-        if recipes.is_rowwise(recipe):
+        if recipes.as_recipe(recipe).per_row:
             return _quantize_experts_rowwise(x, recipe, role, usage)
         if recipes.block_shape(recipe, role) is None:
             return _quantize_experts_tensorwise(x, recipe, role, usage)
@@ -52,18 +54,42 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str,
     return out
 
 
-def group_blocks(recipe: str, role: str, columnwise: bool) -> int | None:
-    """The token block of a grouped (``offs``) quantize's scales: None where a scale never spans
-    tokens of two groups by construction (blocks along K, rowwise), else the block length along
-    the tokens (columnwise 1x128 blockwise, 1x32 mxfp8); 0 for one scale per group
-    (tensorwise). Rowwise: None rowwise (a row is one token), -1 columnwise (one scale per
-    column and group, data in the 16-aligned token layout: ``_quantize_groups_rowwise``)."""
-    if recipes.is_rowwise(recipe):
-        return -1 if columnwise else None
-    block = recipes.block_shape(recipe, role)
+class TokenScales(enum.Enum):
+    """How the scales of a grouped (``offs``) quantize meet the token groups."""
+
+    PER_ROW = "per_row"
+    """No scale spans tokens of two groups by construction (blocks along K; rowwise's rows, a
+    row being one token): the plain quantize."""
+    PER_GROUP = "per_group"
+    """One scale per token group (tensorwise)."""
+    PER_GROUP_COLUMN = "per_group_column"
+    """One scale per column of x and group, data in the 16-aligned token layout (rowwise's
+    columnwise copy: ``_quantize_groups_rowwise``)."""
+    PER_BLOCK = "per_block"
+    """Blocks of ``GroupScales.block`` tokens, restarting at each group (the columnwise copy of
+    1x128 blockwise, 1x32 mxfp8)."""
+
+
+@dataclass(frozen=True)
+class GroupScales:
+    """The scales of a grouped quantize: their kind and, for ``PER_BLOCK``, the block length
+    along the tokens."""
+
+    kind: TokenScales
+    block: int = 0
+
+
+def group_scales(recipe: recipes.Recipe | str, role: str, columnwise: bool) -> GroupScales:
+    """How a grouped (``offs``) quantize of ``role`` under ``recipe`` scales the tokens."""
+    rec = recipes.as_recipe(recipe)
+    if rec.per_row:
+        return GroupScales(TokenScales.PER_GROUP_COLUMN if columnwise else TokenScales.PER_ROW)
+    block = rec.block(role)
     if block is None:
-        return 0
-    return block[1] if columnwise else None
+        return GroupScales(TokenScales.PER_GROUP)
+    if columnwise:
+        return GroupScales(TokenScales.PER_BLOCK, block[1])
+    return GroupScales(TokenScales.PER_ROW)
 
 
 def grouped_scale_blocks(tokens: int, groups: int, block: int) -> int:
@@ -100,23 +126,24 @@ def _quantize_groups(x: Tensor, recipe: str, role: str, columnwise: bool,
     if x.dim() != 2:
         raise ValueError(f"a grouped quantize takes a 2-D (tokens, K) tensor, got {tuple(x.shape)}")
     t, k = x.shape
-    dtype = recipes.fp8_dtype(recipe, role)
-    block = group_blocks(recipe, role, columnwise)
-    if block is None:  # rows are independent; mxfp8 quantizes whole 32-row blocks: pad, cut
-        pad = -t % recipes.requires_divisibility(recipe) if recipe == "mxfp8" else 0
+    rec = recipes.as_recipe(recipe)
+    dtype = rec.dtype(role)
+    scales = group_scales(rec, role, columnwise)
+    if scales.kind is TokenScales.PER_ROW:  # rows are independent; mxfp8 quantizes whole 32-row
+        pad = -t % rec.multiple if rec.whole_blocks else 0  # blocks: pad, cut
         data, scale = recipes.quantize(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x,
                                        recipe, role, columnwise=columnwise)
         return [data[:t], scale[:t]]
-    if block == 0:
+    if scales.kind is TokenScales.PER_GROUP:
         return _quantize_groups_tensorwise(x, recipe, role, columnwise, offs)
-    if block == -1:
+    if scales.kind is TokenScales.PER_GROUP_COLUMN:
         return _quantize_groups_rowwise(x, recipe, role, offs)
-    if recipes.get_recipe(recipe).name == "blockwise":
+    block = scales.block
+    if rec.scaling is recipes.Scaling.BLOCKWISE:
         return _quantize_groups_blockwise(x, recipe, role, offs, block)
     data = torch.zeros((k, t) if columnwise else (t, k), dtype=dtype, device=x.device)
-    fill = 127 if recipe == "mxfp8" else 1
-    scale = torch.full((k, grouped_scale_blocks(t, offs.shape[0], block)), fill, device=x.device,
-                       dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)
+    scale = torch.full((k, grouped_scale_blocks(t, offs.shape[0], block)), rec.unit_scale,
+                       device=x.device, dtype=rec.scale_dtype)
     start, col = 0, 0
     for end in offs.tolist():
         n = end - start
@@ -306,21 +333,21 @@ def _group_column_amax(a: Tensor, offs: Tensor, chunk: int = SEGMENT_ROWS) -> Te
 
 def _quantize_groups_fake(x: Tensor, recipe: str, role: str, columnwise: bool,
                           offs: Tensor) -> list[Tensor]:
-    block = group_blocks(recipe, role, columnwise)
+    rec = recipes.as_recipe(recipe)
+    scales = group_scales(rec, role, columnwise)
     t, k = x.shape
-    if block is None:
-        per_row = 1 if recipes.is_rowwise(recipe) else -(-k // recipes.block_shape(recipe, role)[1])
-        return [x.new_empty((t, k), dtype=recipes.fp8_dtype(recipe, role)),
-                x.new_empty((t, per_row),
-                            dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)]
-    data = x.new_empty((k, t) if columnwise else (t, k), dtype=recipes.fp8_dtype(recipe, role))
-    if block == 0:
+    if scales.kind is TokenScales.PER_ROW:
+        per_row = 1 if rec.per_row else -(-k // rec.block(role)[1])
+        return [x.new_empty((t, k), dtype=rec.dtype(role)),
+                x.new_empty((t, per_row), dtype=rec.scale_dtype)]
+    data = x.new_empty((k, t) if columnwise else (t, k), dtype=rec.dtype(role))
+    if scales.kind is TokenScales.PER_GROUP:
         return [data, x.new_empty((offs.shape[0],), dtype=torch.float32)]
-    if block == -1:  # rowwise columnwise: the 16-aligned token layout
+    if scales.kind is TokenScales.PER_GROUP_COLUMN:  # the 16-aligned token layout
         return [x.new_empty((k, providers.aligned_tokens(t, offs.shape[0])), dtype=data.dtype),
                 x.new_empty((offs.shape[0], k), dtype=torch.float32)]
-    return [data, x.new_empty((k, grouped_scale_blocks(t, offs.shape[0], block)),
-                              dtype=torch.uint8 if recipe == "mxfp8" else torch.float32)]
+    return [data, x.new_empty((k, grouped_scale_blocks(t, offs.shape[0], scales.block)),
+                              dtype=rec.scale_dtype)]
 
 
 # The metadata (size, stride, dtype) of a quantize's outputs, per input metadata and arguments:
@@ -365,7 +392,7 @@ def _quantize_op(x: Tensor, recipe: str, role: str, usage: str,
     # tensorwise pair from one amax: the columnwise copy is the rowwise one transposed, bit for
     # bit (same scale, elementwise cast), so one 1-byte transpose replaces a second amax and cast
     # over x. Inductor inlines ``_quantize`` itself (fp8/inductor.py) and fuses both copies.
-    if usage == "both" and recipes.is_tensorwise(recipe) and x.dim() == 2 and offs is None:
+    if usage == "both" and recipes.as_recipe(recipe).per_tensor and x.dim() == 2 and offs is None:
         data, scale_inv = recipes.quantize(x, recipe, role)
         return [data, scale_inv, data.t().clone(memory_format=torch.contiguous_format),
                 scale_inv.clone()]
@@ -417,14 +444,15 @@ def fp8_gemm(
     bias: Optional[Tensor],
     kernel: str,
     offs: Optional[Tensor] = None,
-    accumulate: str = "te",
 ) -> Tensor:
     """``dequant(a) @ dequant(b).T (+ bias)``: a TN GEMM, both operands K-major. With 3-D
     operands (G, M, K) and (G, N, K), one such GEMM per group: (G, M, N).
 
     ``roles`` is ``"<role of a>,<role of b>"`` (``input,weight`` for fprop, ``grad,weight`` for
     dgrad, ``grad,input`` for wgrad, ``input,grad`` for the wgrad of a weight stored [in, out]);
-    ``kernel`` names the provider that runs it.
+    ``kernel`` names the provider that runs it. ``recipe`` is a ``Recipe.key``: the recipe
+    says how each GEMM accumulates (``Recipe.fast_accumulation``: by default fast where neither
+    operand is a gradient, i.e. the forward GEMM).
 
     With ``offs`` (``torch._grouped_mm``'s group ends over the tokens, see ``_quantize_groups``
     for the scale layouts): a (T, K) x b (G, N, K) gives (T, N), token group g times b[g]
@@ -434,22 +462,19 @@ def fp8_gemm(
     aligned start). Rows past ``offs[-1]`` are 0 from the reference provider and the CPU emulation,
     and unwritten on CUDA, as torch's ``_grouped_mm`` leaves them; empty groups' wgrad outputs
     are 0.
-
-    ``accumulate`` (``Config.fp8_accumulate``): ``"te"`` (fast accumulation where neither operand
-    is a gradient, i.e. the forward GEMM), ``"fast"`` or ``"precise"``.
     """
     a_role, b_role = roles.split(",")
-    fast = providers.fast_accumulation(accumulate, a_role, b_role)
+    fast = recipes.get_recipe(recipe).fast_accumulation(a_role, b_role)
     a, b = _k_major(a), _k_major(b)
+    provider = providers.get(kernel)
     if offs is not None:
-        return providers.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role,
-                                      b_role, out_dtype, bias, providers.get(kernel),
-                                      fast_accum=fast)
+        return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
+                                     out_dtype, bias, fast_accum=fast)
     if a.dim() == 3:  # batched: one GEMM per group (MoE expert), same layouts
-        return providers.batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
-                                      out_dtype, bias, providers.get(kernel), fast_accum=fast)
-    return providers.get(kernel).gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
-                                      out_dtype, bias, fast_accum=fast)
+        return provider.batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
+                                     out_dtype, bias, fast_accum=fast)
+    return provider.gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias,
+                         fast_accum=fast)
 
 
 def _k_major(t: Tensor) -> Tensor:
@@ -459,8 +484,7 @@ def _k_major(t: Tensor) -> Tensor:
 
 
 @fp8_gemm.register_fake
-def _(a, a_scale_inv, b, b_scale_inv, recipe, roles, out_dtype, bias, kernel, offs=None,
-      accumulate="te"):
+def _(a, a_scale_inv, b, b_scale_inv, recipe, roles, out_dtype, bias, kernel, offs=None):
     if offs is not None and b.dim() == 2:
         return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)

@@ -10,8 +10,9 @@ A provider computes ``dequant(a) @ dequant(b).T (+ bias)`` for operands quantize
   (:mod:`graphpass.fp8.blockwise_gemm`).
 * ``te``: Transformer Engine's ``general_gemm`` (see :mod:`graphpass.fp8.te`).
 
-Accumulation (``Config.fp8_accumulate``): each GEMM gets ``fast_accum``, True for the forward GEMM
-and False for dgrad and wgrad under the default ``"te"`` (Transformer Engine's
+Accumulation (``Config.fp8_accumulate``, carried by the recipe: ``Recipe.fast_accumulation``):
+each GEMM gets ``fast_accum``, True for the forward GEMM and False for dgrad and wgrad under the
+default ``"te"`` (Transformer Engine's
 ``use_split_accumulator`` off for fprop, on for the gradients; torchao's float8 sets
 ``use_fast_accum`` the same way). Hopper's FP8 tensor cores accumulate in fewer than fp32's bits
 unless the sum is promoted to fp32 registers every so many products (split accumulation), which
@@ -24,45 +25,23 @@ import functools
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import _compat
 from . import blockwise_gemm, recipes
-from .cublaslt import check_scaled_grouped_mm, own_scalar, pad_contraction, pad_last
-from .jobs import Job
+from .cublaslt import check_scaled_grouped_mm, own_scalar, pad_contraction
+from .jobs import TOKEN_ALIGN, Provider, aligns_tokens, per_expert_gemm, per_group_gemm
 
 NAMES = ("te", "scaled_mm", "reference")
 
 
-def fast_accumulation(mode: str, a_role: str, b_role: str) -> bool:
-    """Whether a GEMM of these operand roles accumulates fast under ``Config.fp8_accumulate``
-    ``mode``: ``"te"`` for the forward GEMM only (no gradient operand)."""
-    if mode == "te":
-        return "grad" not in (a_role, b_role)
-    if mode in ("fast", "precise"):
-        return mode == "fast"
-    raise ValueError(f"unknown FP8 accumulation {mode!r}; valid values are 'te', 'fast', 'precise'")
-
-
-class Provider(Protocol):
-    name: str
-
-    def supports(self, recipe: str, device: torch.device) -> str | None:
-        """None when this provider can run ``recipe`` on ``device``, else the reason why not."""
-
-    def gemm(self, a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, recipe: str,
-             a_role: str, b_role: str, out_dtype: torch.dtype, bias: Optional[Tensor], *,
-             fast_accum: bool = False) -> Tensor:
-        ...
-
-
-class Reference:
+class Reference(Provider):
     name = "reference"
 
-    def supports(self, recipe: str, device: torch.device) -> str | None:
+    def supports(self, recipe: recipes.Recipe | str, device: torch.device) -> str | None:
         return None
 
     def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias, *,
@@ -76,15 +55,16 @@ class Reference:
         return out.to(out_dtype)
 
 
-class ScaledMM:
+class ScaledMM(Provider):
     name = "scaled_mm"
 
-    def supports(self, recipe: str, device: torch.device) -> str | None:
-        if recipes.get_recipe(recipe).name == blockwise_gemm.RECIPE:
+    def supports(self, recipe: recipes.Recipe | str, device: torch.device) -> str | None:
+        rec = recipes.as_recipe(recipe)
+        if rec.scaling is blockwise_gemm.SCALING:
             return blockwise_gemm.unsupported(device)
-        if not recipes.is_tensorwise(recipe) and not recipes.is_rowwise(recipe):
+        if not rec.per_tensor and not rec.per_row:
             return (f"torch._scaled_mm runs fp8='tensorwise', 'rowwise' or 'blockwise' here, "
-                    f"not {recipe!r}")
+                    f"not {rec.quantization_key!r}")
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             return "torch._scaled_mm needs a CUDA device of compute capability 8.9 or newer"
         if device.type not in ("cuda", "cpu"):
@@ -93,13 +73,14 @@ class ScaledMM:
 
     def gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias, *,
              fast_accum=False):
-        if recipes.get_recipe(recipe).name == blockwise_gemm.RECIPE:
+        rec = recipes.as_recipe(recipe)
+        if rec.scaling is blockwise_gemm.SCALING:
             return blockwise_gemm.gemm(a, a_scale_inv, b, b_scale_inv, a_role, b_role, out_dtype,
                                        bias, fast_accum=fast_accum)
         # cuBLASLt on Hopper is TN-only: mat2 must be column-major, which b.t() of a row-major
         # (N, K) tensor is. Bias must be bf16/fp16 and is refused with an fp32 output, so add it
         # afterwards in those cases. Its operand rules: fp8/cublaslt.py.
-        if recipes.is_rowwise(recipe):
+        if rec.per_row:
             return _scaled_mm_rowwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias,
                                       fast_accum=fast_accum)
         fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
@@ -122,7 +103,7 @@ class ScaledMM:
         (``aligns_tokens``), on tensorwise ones in (K, T); a tensorwise scale given to each row it
         scales). Else (HYBRID's E5M2 gradients, which the grouped kernel refuses) one
         ``_scaled_mm`` per group."""
-        if recipes.is_rowwise(recipe) and _rowwise_grouped_runs(a, bias):
+        if recipes.as_recipe(recipe).per_row and _rowwise_grouped_runs(a, bias):
             if b.dim() == 3:
                 return rowwise_grouped_2d3d(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
                                             fast_accum=fast_accum)
@@ -131,22 +112,22 @@ class ScaledMM:
         if _tensorwise_grouped_runs(recipe, a, b, bias):
             return tensorwise_grouped(a, a_scale_inv, b, b_scale_inv, offs, out_dtype,
                                       fast_accum=fast_accum)
-        return grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
-                            out_dtype, bias, _PerGroup(self), fast_accum=fast_accum)
+        return per_group_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
+                              out_dtype, bias, self, fast_accum=fast_accum)
 
     def batched_gemm(self, a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
                      bias, *, fast_accum=False):
         """3-D operands (``fp8_gemm`` of ``bmm`` experts): one 3d x 3d
         ``torch._scaled_grouped_mm`` (``rowwise_batched``) where both operands are E4M3, as for
         token groups; else one ``_scaled_mm`` per expert."""
-        if recipes.is_rowwise(recipe) and _rowwise_grouped_runs(a, bias):
+        if recipes.as_recipe(recipe).per_row and _rowwise_grouped_runs(a, bias):
             return rowwise_batched(a, a_scale_inv, b, b_scale_inv, out_dtype,
                                    fast_accum=fast_accum)
         if _tensorwise_grouped_runs(recipe, a, b, bias):
             return tensorwise_batched(a, a_scale_inv, b, b_scale_inv, out_dtype,
                                       fast_accum=fast_accum)
-        return batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
-                            bias, _PerGroup(self), fast_accum=fast_accum)
+        return per_expert_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype,
+                               bias, self, fast_accum=fast_accum)
 
 
 # --- rowwise: torch._scaled_mm and torch._scaled_grouped_mm with one fp32 scale per row -------
@@ -229,19 +210,6 @@ def group_bounds(offs: Tensor) -> tuple[Tensor, Tensor]:
     """Each token group's first row and the row past its last (int64), on the device."""
     ends = offs.long()
     return torch.cat([ends.new_zeros(1), ends[:-1]]), ends
-
-
-TOKEN_ALIGN = 16  # tokens: where the 2d x 2d grouped GEMM's groups may start (its contraction)
-
-
-def aligns_tokens(recipe: str) -> bool:
-    """Whether a token-grouped quantize writes its columnwise copy (the wgrad operand) in the
-    16-aligned token layout (``aligned_token_sources``): under the rowwise recipe, whose wgrad
-    runs as one 2d x 2d ``torch._scaled_grouped_mm`` wherever the grouped kernel runs. The other
-    recipes' columnwise copies are (K, T), group g the columns ``offs[g-1]:offs[g]``: tensorwise
-    ones also go to TE's grouped GEMM and to per-group ``_scaled_mm`` calls (HYBRID's E5M2
-    gradients), which need no alignment, and the block recipes' scales restart per group."""
-    return recipes.is_rowwise(recipe)
 
 
 def aligned_tokens(tokens: int, groups: int, align: int = TOKEN_ALIGN) -> int:
@@ -371,11 +339,11 @@ def scaled_grouped_mm_emulated(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: T
     return out
 
 
-def _tensorwise_grouped_runs(recipe: str, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
+def _tensorwise_grouped_runs(recipe: recipes.Recipe | str, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether a tensorwise grouped or batched GEMM runs as one ``torch._scaled_grouped_mm``:
     both operands E4M3 (every GEMM under ``fp8_format="e4m3"``, the forward under HYBRID, whose
     E5M2 gradients the kernel refuses), where the rowwise grouped GEMMs run."""
-    return (recipes.is_tensorwise(recipe) and a.dtype == b.dtype == recipes.E4M3
+    return (recipes.as_recipe(recipe).per_tensor and a.dtype == b.dtype == recipes.E4M3
             and _rowwise_grouped_runs(a, bias))
 
 
@@ -415,89 +383,6 @@ def _per_group(scale_inv: Tensor, size: int) -> Tensor:
     """One fp32 scale per group (G scales) given to each of its ``size`` rows or columns: (G, size),
     the layout ``torch._scaled_grouped_mm`` reads its per-row and per-column scales in."""
     return scale_inv.float().reshape(-1, 1).expand(-1, size).contiguous()
-
-
-def run_jobs(jobs: list[Job], recipe, a_role, b_role, out_dtype, provider, *,
-             fast_accum: bool = False) -> None:
-    """Each job's GEMM: all at once with the provider's ``gemm_many`` where it has one (TE's
-    grouped GEMM), else one of its GEMMs per job."""
-    if not jobs:
-        return
-    if hasattr(provider, "gemm_many"):
-        provider.gemm_many(jobs, recipe, a_role, b_role, out_dtype, fast_accum=fast_accum)
-        return
-    for j in jobs:
-        j.out.copy_(provider.gemm(j.a, j.a_scale_inv, j.b, j.b_scale_inv, recipe, a_role, b_role,
-                                  out_dtype, j.bias, fast_accum=fast_accum))
-
-
-def batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias,
-                 provider, *, fast_accum: bool = False) -> Tensor:
-    """``fp8_gemm`` over 3-D operands (G, M, K) x (G, N, K): (G, M, N), one GEMM per group:
-    the provider's own batched GEMM where it has one, else one job per group."""
-    if hasattr(provider, "batched_gemm"):
-        return provider.batched_gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role,
-                                     out_dtype, bias, fast_accum=fast_accum)
-    out = a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)
-    run_jobs([Job(a[i], a_scale_inv[i], b[i], b_scale_inv[i], out[i], bias)
-              for i in range(a.shape[0])], recipe, a_role, b_role, out_dtype, provider,
-             fast_accum=fast_accum)
-    return out
-
-
-class _PerGroup:
-    """A provider seen without its grouped and batched GEMMs: they run its ``gemm`` per job."""
-
-    def __init__(self, provider: Provider) -> None:
-        self.gemm = provider.gemm
-
-
-def grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role, out_dtype, bias,
-                 provider, *, fast_accum: bool = False) -> Tensor:
-    """``fp8_gemm`` with offsets: the provider's own grouped GEMM where it has one, else one job
-    per non-empty group on the group's slices. A wgrad's (2-D b) operands in the aligned token
-    layout (``aligns_tokens``) hold group g in the columns from its aligned start, the group's
-    own tokens first; the job takes those ``n_g`` columns, the same slice as the (K, T) layout's."""
-    if hasattr(provider, "grouped_gemm"):
-        return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
-                                     out_dtype, bias, fast_accum=fast_accum)
-    if bias is not None:
-        raise ValueError("a grouped FP8 GEMM takes no bias")
-    split_k = b.dim() == 2
-    if split_k:
-        out = a.new_zeros((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
-    else:
-        out = a.new_zeros((a.shape[0], b.shape[-2]), dtype=out_dtype)
-    jobs = []
-    start, col = 0, 0
-    rowwise = recipes.is_rowwise(recipe)
-    shape = None if rowwise else recipes.block_shape(recipe, a_role)  # wgrad's blocks: tokens
-    block = shape[1] if shape and split_k else 0
-    aligned = split_k and aligns_tokens(recipe)
-    first = 0  # the group's first column in the aligned token layout
-    for g, end in enumerate(offs.tolist()):
-        n = end - start
-        if n > 0 and not split_k:
-            sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[start:end]
-            jobs.append(Job(a[start:end], sa, b[g], b_scale_inv[g], out[start:end]))
-        elif n > 0:
-            cols = slice(first, first + n) if aligned else slice(start, end)
-            ag, bg = a[:, cols], b[:, cols]
-            if block:  # whole blocks of the group: its scale columns, its data zero-padded
-                blocks = -(-n // block)
-                sa, sb = (s[:, col:col + blocks] for s in (a_scale_inv, b_scale_inv))
-                col += blocks
-                if n % block:
-                    ag, bg = (pad_last(t, -n % block) for t in (ag, bg))
-            elif rowwise:  # group g's scale per row of each operand: (G, M) and (G, N)
-                sa, sb = a_scale_inv[g][:, None], b_scale_inv[g][:, None]
-            else:
-                sa, sb = a_scale_inv[g], b_scale_inv[g]
-            jobs.append(Job(ag.contiguous(), sa, bg.contiguous(), sb, out[g]))
-        first += -(-n // TOKEN_ALIGN) * TOKEN_ALIGN
-        start = end
-    run_jobs(jobs, recipe, a_role, b_role, out_dtype, provider, fast_accum=fast_accum)
-    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -553,12 +438,7 @@ def te_status() -> TEStatus:
     return TEStatus(str(version), "", True)
 
 
-def choose(kernels: str, recipe: str, device: torch.device) -> Provider:
-    """The provider for ``Config(kernels=...)``: ``auto`` prefers TE, then scaled_mm on CUDA."""
-    return resolve(kernels, recipe, device)[0]
-
-
-def resolve(kernels: str, recipe: str, device: torch.device) -> tuple[Provider, str]:
+def resolve(kernels: str, recipe: recipes.Recipe | str, device: torch.device) -> tuple[Provider, str]:
     """The provider for ``Config(kernels=...)`` and, for ``auto``, which one and why (a report
     note: no fallback is silent); ``""`` for a provider the user named."""
     if kernels == "auto":

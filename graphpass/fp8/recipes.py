@@ -24,6 +24,16 @@ Recipes (``get_recipe(name)``):
   Scales follow ``compute_scale_from_amax`` as for the TE recipes (an all-zero row gets scale 1;
   torchao floors the amax at 1e-12 instead, which differs only for such rows).
 
+Identity. A ``Recipe`` is the one identity of a recipe and its variant: its scaling granularity
+(``Scaling``), the fp8 dtype of each role, power-of-two scales and the accumulation of each GEMM
+(``Config.fp8_accumulate``). Graph ops carry it as one key string (``Recipe.key``), which
+``get_recipe`` alone parses; ``from_options`` alone derives it from ``Config``'s options. Every
+question about a recipe (which granularity, which dtype, which block) is asked of a ``Recipe``,
+never by comparing names: ``tests/test_recipe_identity.py`` checks that no other module
+compares one. The identity and the numerics it selects are one module on purpose (over 500
+lines): each numeric function reads the recipe's fields, and splitting them would spread the
+recipe's meaning over two files.
+
 A tensor is quantized in a *role*: ``"input"`` (activation), ``"weight"`` or ``"grad"`` (gradient
 of the output). The role picks the fp8 dtype (HYBRID: E5M2 for ``"grad"``, else E4M3) and, for
 blockwise, the block shape.
@@ -70,6 +80,10 @@ Special values, as TE's kernels do it:
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
+import itertools
 import struct
 from dataclasses import dataclass
 from typing import Literal
@@ -91,6 +105,12 @@ __all__ = [
     "ROWWISE",
     "ROWWISE_POW2",
     "BLOCKWISE_NOPOW2",
+    "Scaling",
+    "ACCUMULATIONS",
+    "GEMM_ROLES",
+    "as_recipe",
+    "from_options",
+    "takes_option",
     "is_rowwise",
     "is_tensorwise",
     "fp8_max",
@@ -112,8 +132,25 @@ E5M2 = torch.float8_e5m2
 
 Role = Literal["input", "weight", "grad"]
 ROLES: tuple[str, ...] = ("input", "weight", "grad")
-RECIPE_NAMES: tuple[str, ...] = ("tensorwise", "blockwise", "mxfp8", "rowwise")
+
+
+class Scaling(enum.Enum):
+    """What one scale covers: a recipe's scaling granularity (its ``Recipe.name``)."""
+
+    TENSORWISE = "tensorwise"  # one fp32 scale per tensor (per expert, per token group)
+    BLOCKWISE = "blockwise"  # fp32 scales per 1x128 block, per 128x128 tile for weights
+    MXFP8 = "mxfp8"  # E8M0 scales per 1x32 block
+    ROWWISE = "rowwise"  # one fp32 scale per row of each GEMM operand
+
+
+RECIPE_NAMES: tuple[str, ...] = tuple(s.value for s in Scaling)
 _FORMATS = ("E4M3", "HYBRID")  # TE asserts "Pure E5M2 training is not supported."
+# How FP8 GEMMs accumulate (``Config.fp8_accumulate``): "te" fast for the forward GEMM and
+# precise (split) for dgrad and wgrad, as TE's recipes and torchao's float8 set it; or one mode.
+ACCUMULATIONS = ("te", "fast", "precise")
+# A linear's three GEMMs by their operands' roles (the order ``fp8_gemm``'s ``roles`` reads).
+GEMM_ROLES = {"fprop": ("input", "weight"), "dgrad": ("grad", "weight"),
+              "wgrad": ("grad", "input")}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # TE's quantizer input types
 _FLT_MAX = torch.finfo(torch.float32).max
 _MX_BLOCK = 32
@@ -128,20 +165,30 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True)
 class Recipe:
-    """One TE FP8 recipe (§5).
+    """One FP8 recipe and its variant: the one identity every part of graphpass compares.
 
-    ``fp8_format`` is ``"HYBRID"`` (E4M3 forward, E5M2 for ``"grad"``) or ``"E4M3"``.
-    ``power_2_scales`` rounds tensorwise/blockwise scales down to a power of two (TE's
-    ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1`` / default ``Float8BlockScaling``); it must be
-    True for mxfp8, whose E8M0 scales are powers of two by construction. ``amax_epsilon`` is the
-    floor TE applies to the amax (``QParams.amax_epsilon``); TE's MXFP8 has none. TE's environment
-    overrides are not read: build a variant with ``dataclasses.replace(get_recipe(name), ...)``.
+    ``name`` is the scaling granularity (``scaling``: one of ``RECIPE_NAMES``). ``fp8_format`` is
+    ``"HYBRID"`` (E4M3 forward, E5M2 for ``"grad"``) or ``"E4M3"``: the fp8 dtype of each role
+    (``dtype``). ``power_2_scales`` rounds tensorwise/blockwise/rowwise scales down to a power of
+    two (TE's ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1`` / default ``Float8BlockScaling``,
+    torchao's ``round_scales_to_power_of_2``); it must be True for mxfp8, whose E8M0 scales are
+    powers of two by construction. ``amax_epsilon`` is the floor TE applies to the amax
+    (``QParams.amax_epsilon``); TE's MXFP8 has none. ``accumulate`` is how its GEMMs accumulate,
+    per GEMM role (``accumulation``, ``fast_accumulation``; one of ``ACCUMULATIONS``). TE's
+    environment overrides are not read: build a variant with
+    ``dataclasses.replace(get_recipe(name), ...)``.
+
+    Graph ops carry a recipe as its ``key`` (a custom op's schema takes strings), which
+    ``get_recipe`` parses back: the name, then the variant's settings that differ from the
+    name's defaults, each one word (``"tensorwise_e4m3"``, ``"blockwise_nopow2"``,
+    ``"rowwise_pow2_fast"``).
     """
 
     name: str
     fp8_format: str
     power_2_scales: bool
     amax_epsilon: float = 0.0
+    accumulate: str = "te"
 
     def __post_init__(self) -> None:
         if self.name not in RECIPE_NAMES:
@@ -153,14 +200,128 @@ class Recipe:
             )
         if not self.amax_epsilon >= 0.0:
             raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon!r}")
-        if self.name == "mxfp8" and (not self.power_2_scales or self.amax_epsilon != 0.0):
+        if self.accumulate not in ACCUMULATIONS:
+            raise ValueError(f"unknown FP8 accumulation {self.accumulate!r}; valid values are "
+                             + ", ".join(map(repr, ACCUMULATIONS)))
+        if self.scaling is Scaling.MXFP8 and (not self.power_2_scales or self.amax_epsilon != 0.0):
             raise ValueError(
                 "mxfp8 scales are E8M0 powers of two with no amax epsilon: "
                 "use power_2_scales=True, amax_epsilon=0.0"
             )
-        if self.name == "rowwise" and self.fp8_format != "E4M3":
+        if self.scaling is Scaling.ROWWISE and self.fp8_format != "E4M3":
             raise ValueError("rowwise scaling is E4M3 for every role (the rowwise FP8 GEMMs take "
                              "E4M3 operands only): use fp8_format='E4M3'")
+
+    @property
+    def scaling(self) -> Scaling:
+        return Scaling(self.name)
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per tensor (per expert, or per token group over experts)."""
+        return self.scaling is Scaling.TENSORWISE
+
+    @property
+    def per_row(self) -> bool:
+        """One scale per row of each GEMM operand, of any length (no fixed block)."""
+        return self.scaling is Scaling.ROWWISE
+
+    @property
+    def e8m0_scales(self) -> bool:
+        """Scales stored as uint8 E8M0 exponents (mxfp8), not fp32."""
+        return self.scaling is Scaling.MXFP8
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.e8m0_scales else torch.float32
+
+    @property
+    def unit_scale(self) -> int:
+        """The stored ``scale_inv`` of scale 1 (the E8M0 byte 127, or 1.0)."""
+        return 127 if self.e8m0_scales else 1
+
+    @property
+    def whole_blocks(self) -> bool:
+        """Whether ``quantize`` takes whole blocks only (mxfp8: multiples of 32); the other
+        recipes pad a partial block."""
+        return self.e8m0_scales
+
+    @property
+    def all_e4m3(self) -> bool:
+        """E4M3 in every role (no E5M2 gradients)."""
+        return self.fp8_format == "E4M3"
+
+    def dtype(self, role: Role) -> torch.dtype:
+        """The fp8 dtype of ``role``: E5M2 only for gradients under HYBRID (§5)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; valid roles are: "
+                             + ", ".join(map(repr, ROLES)))
+        return E5M2 if self.fp8_format == "HYBRID" and role == "grad" else E4M3
+
+    def block(self, role: Role) -> tuple[int, int] | None:
+        """(rows, cols) of one scaling block of ``role``'s quantized data; None for one scale per
+        tensor. Blockwise: 128x128 for weights (``w_block_scaling_dim=2``), else 1x128; mxfp8:
+        1x32 (§5). Rowwise has no fixed block (a whole row, of any length): callers ask
+        ``per_row`` first, and this raises for it."""
+        self.dtype(role)  # validates the role
+        if self.scaling is Scaling.TENSORWISE:
+            return None
+        if self.scaling is Scaling.ROWWISE:
+            raise ValueError("rowwise scaling has one scale per row, no fixed block: ask "
+                             "is_rowwise")
+        if self.scaling is Scaling.BLOCKWISE:
+            return (128, 128) if role == "weight" else (1, 128)
+        return (1, _MX_BLOCK)
+
+    @property
+    def multiple(self) -> int:
+        """What the FP8 GEMM needs GEMM dimensions to be multiples of: 16 (tensorwise, Hopper
+        leading dimensions, §1), 128 (blockwise) or 32 (mxfp8, §5). ``quantize`` itself enforces
+        only mxfp8's; blockwise pads partial blocks. Rowwise: 16, as tensorwise (both
+        ``torch._scaled_mm`` and ``torch._scaled_grouped_mm`` need K and N multiples of 16)."""
+        return {Scaling.TENSORWISE: 16, Scaling.BLOCKWISE: 128, Scaling.MXFP8: _MX_BLOCK,
+                Scaling.ROWWISE: 16}[self.scaling]
+
+    def fast_accumulation(self, a_role: str, b_role: str) -> bool:
+        """Whether a GEMM of these operand roles accumulates fast: under ``"te"`` the forward
+        GEMM only (no gradient operand)."""
+        if self.accumulate == "te":
+            return "grad" not in (a_role, b_role)
+        return self.accumulate == "fast"
+
+    @property
+    def accumulation(self) -> dict[str, str]:
+        """``"fast"`` or ``"precise"`` for each of a linear's GEMMs (``GEMM_ROLES``)."""
+        return {gemm: "fast" if self.fast_accumulation(*roles) else "precise"
+                for gemm, roles in GEMM_ROLES.items()}
+
+    def _variant(self) -> tuple[str, str]:
+        """The words of the key for the format and the scales: ``""`` where the name's default."""
+        default = _DEFAULTS[self.name]
+        fmt = "" if self.fp8_format == default.fp8_format else self.fp8_format.lower()
+        pow2 = ("" if self.power_2_scales == default.power_2_scales
+                else "pow2" if self.power_2_scales else "nopow2")
+        return fmt, pow2
+
+    @property
+    def key(self) -> str:
+        """The one string graph ops carry for this recipe; ``get_recipe(key)`` is this recipe."""
+        return "_".join(w for w in (self.quantization_key,
+                                    "" if self.accumulate == "te" else self.accumulate) if w)
+
+    @property
+    def quantization_key(self) -> str:
+        """The key without the accumulation: what a quantize's bits depend on."""
+        if self.amax_epsilon != 0.0:
+            raise ValueError(f"a recipe with amax_epsilon={self.amax_epsilon!r} has no key: "
+                             "graph ops carry recipes with TE's default epsilon (0) only")
+        return "_".join(w for w in (self.name, *self._variant()) if w)
+
+    @property
+    def label(self) -> str:
+        """The recipe as the lowering's notes name it: the name, with a format that is not the
+        name's default (``"tensorwise_e4m3"``)."""
+        return "_".join(w for w in (self.name, self._variant()[0]) if w)
 
 
 TENSORWISE = Recipe("tensorwise", "HYBRID", power_2_scales=False)
@@ -171,21 +332,40 @@ ROWWISE = Recipe("rowwise", "E4M3", power_2_scales=False)
 ROWWISE_POW2 = Recipe("rowwise", "E4M3", power_2_scales=True)
 BLOCKWISE_NOPOW2 = Recipe("blockwise", "E4M3", power_2_scales=False)
 _DEFAULTS = {r.name: r for r in (TENSORWISE, BLOCKWISE, MXFP8, ROWWISE)}
-# Recipe names as graph ops carry them (a string argument): a variant whose scales or formats are
-# not the recipe's default has its own (rowwise with power-of-two scales, blockwise without,
-# tensorwise in TE's all-E4M3 format).
-_KEYS = {**_DEFAULTS, "rowwise_pow2": ROWWISE_POW2, "blockwise_nopow2": BLOCKWISE_NOPOW2,
-         "tensorwise_e4m3": TENSORWISE_E4M3}
+# The variants Config's options select, by option: fp8_pow2_scales for rowwise (torchao's
+# round_scales_to_power_of_2) and blockwise (TE's NVTE_FP8_BLOCK_SCALING_FP32_SCALES), fp8_format
+# for tensorwise (TE's Format.E4M3; the other recipes are E4M3 in every role already).
+_OPTIONS = {"fp8_pow2_scales": (Scaling.ROWWISE, Scaling.BLOCKWISE),
+            "fp8_format": (Scaling.TENSORWISE,)}
+
+
+def _every_recipe() -> list[Recipe]:
+    """Every recipe a key names: each name in each format, scale setting and accumulation that
+    the recipe takes (TE's default amax epsilon)."""
+    out = []
+    for name, fmt, pow2, mode in itertools.product(RECIPE_NAMES, _FORMATS, (False, True),
+                                                   ACCUMULATIONS):
+        try:
+            out.append(Recipe(name, fmt, pow2, accumulate=mode))
+        except ValueError:  # not a recipe (mxfp8 without power-of-two scales, rowwise HYBRID)
+            continue
+    return out
+
+
+# Every key, parsed: the keys are printed by ``Recipe.key`` alone, so each parses back to its
+# recipe by construction, and a lookup is all that tracing ``get_recipe`` costs.
+_BY_KEY = {r.key: r for r in _every_recipe()}
 
 
 def _names() -> str:
     return ", ".join(map(repr, RECIPE_NAMES))
 
 
-def get_recipe(name: str) -> Recipe:
-    """The recipe with TE's default settings for ``name`` (one of ``RECIPE_NAMES``), or the
-    variant a graph op's recipe string names (``"rowwise_pow2"``, ``"blockwise_nopow2"``)."""
-    if name == "delayed":
+def get_recipe(key: str) -> Recipe:
+    """The recipe a key names: a name of ``RECIPE_NAMES`` (TE's default settings) or the key
+    of a variant (``Recipe.key``: ``"rowwise_pow2"``, ``"blockwise_nopow2"``,
+    ``"tensorwise_e4m3"``, ``"tensorwise_fast"``). The one parser of recipe keys."""
+    if key == "delayed":
         raise ValueError(
             "recipe 'delayed' (TE DelayedScaling) is not supported under torch.compile: its amax "
             "history and scales are mutable state updated outside the graph, and TE itself "
@@ -193,73 +373,79 @@ def get_recipe(name: str) -> Recipe:
             "(Float8CurrentScaling), 'blockwise' (Float8BlockScaling), 'mxfp8' "
             "(MXFP8BlockScaling) or 'rowwise' (torchao's rowwise scaling) instead."
         )
-    if name not in _KEYS:
-        raise ValueError(f"unknown recipe {name!r}; valid recipes are: {_names()}")
-    return _KEYS[name]
+    recipe = _BY_KEY.get(key) if isinstance(key, str) else None
+    if recipe is None:
+        raise ValueError(f"unknown recipe {key!r}; valid recipes are: {_names()} (a graph op's "
+                         "key adds the words of its variant: Recipe.key)")
+    return recipe
 
 
-def recipe_key(name: str, power_2_scales: bool | None = None) -> str:
-    """The recipe string the graph ops carry for ``Config(fp8=name, fp8_pow2_scales=...)``:
-    ``name`` where ``power_2_scales`` is None or the recipe's default, ``"rowwise_pow2"`` or
-    ``"blockwise_nopow2"`` where it is not. Only rowwise and blockwise take the option."""
-    if power_2_scales is None:
-        return name
-    if name not in ("rowwise", "blockwise"):
-        raise ValueError(f"power-of-two scales are an option of fp8='rowwise' and "
-                         f"fp8='blockwise', not {name!r}")
-    if power_2_scales == get_recipe(name).power_2_scales:
-        return name
-    return "rowwise_pow2" if name == "rowwise" else "blockwise_nopow2"
+def takes_option(name: str | None, option: str) -> bool:
+    """Whether ``Config(fp8=name)`` has a variant that ``option`` selects (``"fp8_pow2_scales"``
+    for rowwise and blockwise, ``"fp8_format"`` for tensorwise)."""
+    return name in RECIPE_NAMES and Scaling(name) in _OPTIONS[option]
 
 
-def is_tensorwise(recipe: "Recipe | str") -> bool:
-    """One scale per tensor (per expert or token group over experts): ``"tensorwise"`` and
-    ``"tensorwise_e4m3"``."""
-    return _as_recipe(recipe).name == "tensorwise"
+@functools.lru_cache(maxsize=None)
+def from_options(fp8: str | None, fp8_format: str = "hybrid", fp8_pow2_scales: bool | None = None,
+                 fp8_accumulate: str = "te") -> Recipe | None:
+    """The recipe of ``Config(fp8=..., fp8_format=..., fp8_pow2_scales=...,
+    fp8_accumulate=...)`` (None: FP8 off): the one function from the user's options to a
+    Recipe. ``fp8_pow2_scales=None`` is the recipe's default; ``fp8_format`` (``"hybrid"`` or
+    ``"e4m3"``) and ``fp8_pow2_scales`` set only where ``takes_option`` says so."""
+    if fp8 is None:
+        return None
+    if fp8 not in RECIPE_NAMES:
+        get_recipe(fp8)  # "delayed" says why not
+        raise ValueError(f"unknown recipe {fp8!r}; valid recipes are: {_names()}")
+    recipe = dataclasses.replace(_DEFAULTS[fp8], accumulate=fp8_accumulate)
+    if fp8_format != "hybrid":
+        if not takes_option(fp8, "fp8_format"):
+            raise ValueError(f"fp8_format={fp8_format!r} is an option of "
+                             f"{_option_recipes('fp8_format')}, not {fp8!r}")
+        recipe = dataclasses.replace(recipe, fp8_format=fp8_format.upper())
+    if fp8_pow2_scales is not None:
+        if not takes_option(fp8, "fp8_pow2_scales"):
+            raise ValueError(f"power-of-two scales are an option of "
+                             f"{_option_recipes('fp8_pow2_scales')}, not {fp8!r}")
+        recipe = dataclasses.replace(recipe, power_2_scales=fp8_pow2_scales)
+    return recipe
 
 
-def is_rowwise(recipe: "Recipe | str") -> bool:
-    """One scale per row of each GEMM operand (``"rowwise"``, ``"rowwise_pow2"``)."""
-    return _as_recipe(recipe).name == "rowwise"
+def _option_recipes(option: str) -> str:
+    return " and ".join(f"fp8={s.value!r}" for s in _OPTIONS[option])
 
 
-def _as_recipe(recipe: Recipe | str) -> Recipe:
+def as_recipe(recipe: Recipe | str) -> Recipe:
+    """``recipe``, or the recipe its key names."""
     return get_recipe(recipe) if isinstance(recipe, str) else recipe
+
+
+
+def is_tensorwise(recipe: Recipe | str) -> bool:
+    """One scale per tensor (per expert or token group over experts): ``"tensorwise"`` and its
+    variants."""
+    return as_recipe(recipe).per_tensor
+
+
+def is_rowwise(recipe: Recipe | str) -> bool:
+    """One scale per row of each GEMM operand (``"rowwise"``, ``"rowwise_pow2"``)."""
+    return as_recipe(recipe).per_row
 
 
 def fp8_dtype(recipe: Recipe | str, role: Role) -> torch.dtype:
     """The fp8 dtype of ``role`` under ``recipe``: E5M2 only for gradients under HYBRID (§5)."""
-    recipe = _as_recipe(recipe)
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; valid roles are: " + ", ".join(map(repr, ROLES)))
-    return E5M2 if recipe.fp8_format == "HYBRID" and role == "grad" else E4M3
+    return as_recipe(recipe).dtype(role)
 
 
 def block_shape(recipe: Recipe | str, role: Role) -> tuple[int, int] | None:
-    """(rows, cols) of one scaling block of the quantized data; None for one scale per tensor.
-
-    Blockwise: 128x128 for weights (``w_block_scaling_dim=2``), else 1x128; mxfp8: 1x32 (§5).
-    Rowwise has no fixed block (a whole row, of any length): callers ask ``is_rowwise`` first,
-    and this raises for it.
-    """
-    recipe = _as_recipe(recipe)
-    fp8_dtype(recipe, role)  # validates the role
-    if recipe.name == "tensorwise":
-        return None
-    if recipe.name == "rowwise":
-        raise ValueError("rowwise scaling has one scale per row, no fixed block: ask is_rowwise")
-    if recipe.name == "blockwise":
-        return (128, 128) if role == "weight" else (1, 128)
-    return (1, _MX_BLOCK)
+    """``Recipe.block``: (rows, cols) of one scaling block; None for one scale per tensor."""
+    return as_recipe(recipe).block(role)
 
 
 def requires_divisibility(recipe: Recipe | str) -> int:
-    """What the FP8 GEMM needs GEMM dimensions to be multiples of: 16 (tensorwise, Hopper
-    leading dimensions, §1), 128 (blockwise) or 32 (mxfp8, §5). ``quantize`` itself enforces
-    only mxfp8's; blockwise pads partial blocks. Rowwise: 16, as tensorwise (both
-    ``torch._scaled_mm`` and ``torch._scaled_grouped_mm`` need K and N multiples of 16)."""
-    return {"tensorwise": 16, "blockwise": 128, "mxfp8": _MX_BLOCK,
-            "rowwise": 16}[_as_recipe(recipe).name]
+    """``Recipe.multiple``: what the FP8 GEMM needs GEMM dimensions to be multiples of."""
+    return as_recipe(recipe).multiple
 
 
 def compute_scale_from_amax(
@@ -374,7 +560,7 @@ def _untile(t: torch.Tensor, m: int, k: int) -> torch.Tensor:
 def tensorwise_scale(amax: torch.Tensor, recipe: Recipe | str, role: Role) -> torch.Tensor:
     """The tensorwise scale of fp32 ``amax`` (elementwise: one amax per tensor, or per expert or
     token group where ``amax`` holds several)."""
-    recipe = _as_recipe(recipe)
+    recipe = as_recipe(recipe)
     return compute_scale_from_amax(amax, fp8_max(fp8_dtype(recipe, role)),
                                    power_2_scales=recipe.power_2_scales,
                                    amax_epsilon=recipe.amax_epsilon)
@@ -384,7 +570,7 @@ def blockwise_scale(amax: torch.Tensor, recipe: Recipe | str, role: Role,
                     input_dtype: torch.dtype) -> torch.Tensor:
     """The blockwise scales of fp32 block amaxes ``amax`` (elementwise), an overflow to inf
     replaced by ``input_dtype``'s largest value (TE's ``compute_scale_from_types<IType, OType>``)."""
-    recipe = _as_recipe(recipe)
+    recipe = as_recipe(recipe)
     return compute_scale_from_amax(amax, fp8_max(fp8_dtype(recipe, role)),
                                    power_2_scales=recipe.power_2_scales,
                                    amax_epsilon=recipe.amax_epsilon,
@@ -402,7 +588,7 @@ def scaled_cast(x32: torch.Tensor, scale: torch.Tensor, recipe: Recipe | str,
 def row_scale(x32: torch.Tensor, recipe: Recipe | str, role: Role) -> torch.Tensor:
     """The rowwise scales of fp32 ``x32`` (any number of leading dimensions): one per row along
     the last dimension, shape ``(..., rows, 1)``; NaN ignored, an all-zero row gets 1."""
-    recipe = _as_recipe(recipe)
+    recipe = as_recipe(recipe)
     amax = _abs_amax(x32, (-1,))[..., None] if x32.shape[-1] else x32.new_zeros(
         (*x32.shape[:-1], 1))
     return compute_scale_from_amax(amax, fp8_max(fp8_dtype(recipe, role)),
@@ -446,20 +632,20 @@ def quantize(
     ``amax`` (tensorwise only): the fp32 amax to scale by instead of ``x``'s own, e.g. the max
     over a process group of each rank's ``tensor_amax`` (TE's ``with_amax_reduction``).
     """
-    recipe = _as_recipe(recipe)
+    recipe = as_recipe(recipe)
     dtype = fp8_dtype(recipe, role)
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
     if x.dtype not in _INPUT_DTYPES:
         raise ValueError(f"quantize expects float32, bfloat16 or float16 input, got {x.dtype}")
-    if recipe.name == "mxfp8" and (x.shape[0] % _MX_BLOCK or x.shape[1] % _MX_BLOCK):
+    if recipe.whole_blocks and (x.shape[0] % _MX_BLOCK or x.shape[1] % _MX_BLOCK):
         raise ValueError(
             f"mxfp8 needs both dimensions to be multiples of {_MX_BLOCK}, got shape "
             f"{tuple(x.shape)}"
         )
     x32 = (x.t() if columnwise else x).to(torch.float32)
     m, k = x32.shape
-    if recipe.name == "rowwise":
+    if recipe.per_row:
         if amax is not None:
             raise ValueError("a given amax scales one whole tensor: tensorwise only, not rowwise")
         return rowwise_quantize(x32, recipe, role)
@@ -478,7 +664,7 @@ def quantize(
 
     tiles = _tiles(x32, *block)
     amax = _abs_amax(tiles, (1, 3))
-    if recipe.name == "blockwise":
+    if recipe.scaling is Scaling.BLOCKWISE:
         scale = blockwise_scale(amax, recipe, role, x.dtype)
         scale_inv = reciprocal(scale)
     else:
@@ -502,7 +688,7 @@ def dequantize(
     Returns the tensor in the ORIGINAL (M, K) orientation: a columnwise pair, whose data is
     (K, M), comes back transposed.
     """
-    recipe = _as_recipe(recipe)
+    recipe = as_recipe(recipe)
     expected = fp8_dtype(recipe, role)
     if data.dtype != expected or data.dim() != 2:
         raise ValueError(
@@ -511,7 +697,7 @@ def dequantize(
         )
     d32 = data.to(torch.float32)
     m, k = d32.shape
-    if recipe.name == "rowwise":
+    if recipe.per_row:
         if tuple(scale_inv.shape) != (m, 1):
             raise ValueError(f"rowwise {role} scale_inv for data of shape {(m, k)} must have "
                              f"shape {(m, 1)}, got {tuple(scale_inv.shape)}")
@@ -531,7 +717,7 @@ def dequantize(
         out = d32 * scale_inv
     else:
         s = scale_inv
-        if recipe.name == "mxfp8":
+        if recipe.e8m0_scales:
             s = _e8m0_to_float(s.to(torch.int32))
         out = _untile(_tiles(d32, *block) * s[:, None, :, None], m, k)
     out = out.to(dtype)

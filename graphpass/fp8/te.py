@@ -18,15 +18,14 @@ block-scaled storages expect padded, GEMM-swizzled scale layouts that differ bet
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import recipes
 from .cublaslt import own_scalar, pad_contraction
-
-if TYPE_CHECKING:
-    from .jobs import Job
+from .jobs import Job, Provider
 
 # The TE entry points graphpass calls, with the keyword arguments it passes; the TE test checks
 # them against the installed TE's real signatures.
@@ -40,7 +39,7 @@ CALLS = {
 }
 
 
-class TransformerEngine:
+class TransformerEngine(Provider):
     name = "te"
 
     def __init__(self) -> None:
@@ -57,11 +56,13 @@ class TransformerEngine:
         self._te_dtype = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3,
                           torch.float8_e5m2: tex.DType.kFloat8E5M2}
 
-    def supports(self, recipe: str, device: torch.device) -> str | None:
+    def supports(self, recipe: recipes.Recipe | str, device: torch.device) -> str | None:
         if device.type != "cuda":
             return "Transformer Engine kernels need CUDA"
-        if recipe not in ("tensorwise", "tensorwise_e4m3"):
-            return f"the TE provider runs fp8='tensorwise', not {recipe!r}; use kernels='reference'"
+        rec = recipes.as_recipe(recipe)
+        if not rec.per_tensor:
+            return (f"the TE provider runs fp8='tensorwise', not {rec.quantization_key!r}; use "
+                    "kernels='reference'")
         return None
 
     def _wrap(self, data: Tensor, scale_inv: Tensor):

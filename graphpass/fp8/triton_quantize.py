@@ -501,7 +501,7 @@ def quantize_experts_rowwise_for(x: Tensor, recipe: recipes.Recipe | str, role: 
     (``"rowwise"``, ``"rowwise_pow2"``) are the ones whose GEMMs read these scales."""
     if usage not in _USAGES:
         raise ValueError(f"unknown quantize usage {usage!r}; valid usages are {tuple(_USAGES)}")
-    r = recipes.get_recipe(recipe) if isinstance(recipe, str) else recipe
+    r = recipes.as_recipe(recipe)
     dtype = recipes.fp8_dtype(r, role)
     rows, cols = _USAGES[usage]
     return quantize_experts_rowwise(x, fp8_dtype=dtype, fp8_max=recipes.fp8_max(dtype),

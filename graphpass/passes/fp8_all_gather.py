@@ -119,9 +119,10 @@ def _match(gather: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | st
     if others:
         return (f"the gathered {_dtype(wait)} is also read by {', '.join(sorted(set(others)))}: "
                 "quantized after the all-gather")
-    recipes_ = sorted({q.args[1] for q in quantizes})
-    if len(recipes_) != 1 or not recipes.is_tensorwise(recipes_[0]):
-        return (f"{', '.join(recipes_)} scales: the FP8 all-gather is for tensorwise scaling "
+    recipes_ = {recipes.get_recipe(q.args[1]) for q in quantizes}
+    if len(recipes_) != 1 or not next(iter(recipes_)).per_tensor:
+        shown = sorted({r.quantization_key for r in recipes_})
+        return (f"{', '.join(shown)} scales: the FP8 all-gather is for tensorwise scaling "
                 "only (docs/distributed.md): quantized after the all-gather")
     if len({q.args[2] for q in quantizes}) != 1:
         return "quantized in two roles: quantized after the all-gather"

@@ -31,6 +31,7 @@ import torch.fx as fx
 from .. import _compat
 from ..config import Config
 from ..decisions import Cached, Decision, Plan, What, facts, record
+from ..fp8 import recipes
 from ..fp8.cache import CACHE_DEQUANTIZE, CACHE_DEQUANTIZE_COPY, CACHE_QUANTIZE, DTYPES
 from ..graph.nodes import (is_backward, is_random, module_path, op_name, producer, tensor_bytes,
                            tensor_val)
@@ -273,8 +274,9 @@ def _reuse(graph: fx.Graph, node: fx.Node, data: fx.Node, scale: fx.Node,
     dequantized in the backward and the shape-only ops undone."""
     val = tensor_val(node)
     recipe = facts(data).quantized.recipe
+    shown = recipes.get_recipe(recipe).quantization_key
     cached = Cached(source=node, dtype=str(val.dtype).removeprefix("torch."),
-                    fmt=f"the fp8 lowering's columnwise {recipe} copy")
+                    fmt=f"the fp8 lowering's columnwise {shown} copy")
     record(data, cached=cached)
     record(scale, cached=cached)
     with graph.inserting_after(scale):

@@ -45,7 +45,8 @@ _VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
 
 
 def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
-    if config.fp8 is None:
+    recipe = config.recipe
+    if recipe is None:
         return
     quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]] = {}
     replaced: dict[fx.Node, fx.Node] = {}  # each GEMM lowered so far: its FP8 GEMM
@@ -64,23 +65,21 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             continue
         device = lin.x.meta["val"].device
         try:
-            provider, why = providers.resolve(config.kernels, config.fp8_recipe, device)
+            provider, why = providers.resolve(config.kernels, recipe, device)
         except ValueError as e:
             raise ValueError(f"graphpass fp8 lowering of {lin.module or '<root>'}: {e}") from None
         if why:
             plan.decide(Decision(What.KERNELS, "fp8", why), once=True)
-        _rewrite(joint, lin, config.fp8_recipe, provider.name, quantized, config.fp8_accumulate,
-                 replaced)
+        _rewrite(joint, lin, recipe.key, provider.name, quantized, replaced)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
-        shown = "tensorwise_e4m3" if config.fp8_recipe == "tensorwise_e4m3" else config.fp8
-        plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{shown}{extra}", lin.module),
-                    once=True)
+        plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{recipe.label}{extra}",
+                             lin.module), once=True)
         if provider.name == "scaled_mm" and (lin.offs is not None or lin.w.meta["val"].dim() == 3):
-            plan.decide(Decision(What.GROUPED_GEMMS, "fp8", _grouped_kernels(config.fp8_recipe),
+            plan.decide(Decision(What.GROUPED_GEMMS, "fp8", _grouped_kernels(recipe),
                                  lin.module), once=True)
         w = lin.w.meta["val"]
-        if recipes.is_rowwise(config.fp8_recipe) and w.dim() == 3 and device.type == "cuda":
+        if recipe.per_row and w.dim() == 3 and device.type == "cuda":
             plan.decide(Decision(What.WEIGHT_QUANTIZE, "fp8", _weight_kernel(w), lin.module),
                         once=True)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
@@ -190,14 +189,16 @@ def _slower_in_fp8(linears: list[Linear], config: Config) -> dict[fx.Node, str]:
     return slower
 
 
-def _grouped_kernels(recipe: str) -> str:
-    """How the scaled_mm provider runs an expert linear's three GEMMs (fp8/providers.py)."""
-    if recipes.is_rowwise(recipe) or recipe == "tensorwise_e4m3":
-        return ("forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA sm90+, its "
-                "emulation on the CPU; one torch._scaled_mm per expert on older GPUs)")
-    if recipe == "blockwise":
+def _grouped_kernels(recipe: recipes.Recipe) -> str:
+    """How the scaled_mm provider runs an expert linear's three GEMMs (fp8/providers.py): by
+    the recipe's scaling (blockwise: torch's blockwise GEMM, whatever its scales), then by its
+    gradients' format (the grouped kernel takes E4M3 operands only)."""
+    if recipe.scaling is recipes.Scaling.BLOCKWISE:
         return ("forward, dgrad and wgrad one blockwise torch scaled_mm per expert: torch has no "
                 "grouped blockwise FP8 GEMM")
+    if recipe.dtype("grad") == recipes.E4M3:
+        return ("forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA sm90+, its "
+                "emulation on the CPU; one torch._scaled_mm per expert on older GPUs)")
     return ("forward one torch._scaled_grouped_mm (CUDA sm90+, its emulation on the CPU); dgrad "
             "and wgrad one torch._scaled_mm per expert: their gradient operand is E5M2 "
             "(tensorwise's HYBRID format), which the grouped kernel refuses (E4M3 only); "
@@ -228,15 +229,15 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
     # [in, out], with the same leading groups.
     *_, m, k = x.shape
     n = w.shape[-1] if lin.stored_kn else w.shape[-2]
-    multiple = recipes.requires_divisibility(config.fp8)
+    recipe = config.recipe
+    multiple = recipe.multiple
     # wgrad contracts over M (tokens). Block recipes scale the wgrad's operands in blocks along M,
     # so M needs their alignment; token groups (offsets) are quantized per group, padded where a
     # block would span two (fp8/ops.py). Tensorwise has no block along M, and every provider
     # zero-pads a contraction to 16 (exact): M may be any size, even dynamic (the tokens a
     # per-expert loop routes to one expert: nonzero's unbacked size). Rowwise likewise: a scale
     # spans a whole row along M, never a block of it.
-    tensorwise = (recipes.is_rowwise(config.fp8)
-                  or recipes.block_shape(config.fp8, "input") is None)
+    tensorwise = recipe.per_row or recipe.block("input") is None
     for dim, size in (("K", k), ("N", n), ("M", m)):
         if dim == "M" and tensorwise:
             continue
@@ -253,7 +254,7 @@ def why_not_lowered(lin: Linear, config: Config) -> str | None:
 
 def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
              quantized: dict[tuple[Any, ...], tuple[fx.Node, fx.Node]],
-             accumulate: str = "te", replaced: dict[fx.Node, fx.Node] | None = None) -> None:
+             replaced: dict[fx.Node, fx.Node] | None = None) -> None:
     graph = joint.graph
     replaced = {} if replaced is None else replaced
     # The linears were found before any was lowered: one that reads another's output (a 2-D
@@ -287,9 +288,8 @@ def _rewrite(joint: fx.GraphModule, lin: Linear, recipe: str, kernel: str,
         args = (*a, *b, recipe, roles, old.meta["val"].dtype, bias, kernel)
         before = before or old
         with graph.inserting_before(before):
-            # the op's default accumulation ("te") is left out of the graph
-            tail = (offs, accumulate) if accumulate != "te" else (() if offs is None else (offs,))
-            new = _call(graph, FP8_GEMM, (*args, *tail), before, backward)
+            new = _call(graph, FP8_GEMM, args if offs is None else (*args, offs), before,
+                        backward)
         old.replace_all_uses_with(new)
         graph.erase_node(old)
         replaced[old] = new
