@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import graphpass
-from graphpass.fp8 import recipes
+from graphpass.fp8 import ops, recipes
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
 # with tensorwise in TE's all-E4M3 format (fp8_format="e4m3"), named as the graph ops name it
@@ -1016,3 +1016,97 @@ def test_per_expert_loop_of_linears_is_lowered_exactly(kernels):
     check = torch.equal if kernels == "reference" else (
         lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5) or True)
     assert check(y.detach(), ref_y) and check(x.grad, ref_dx)
+
+
+# --- bad input to the token-grouped paths: a clear error, or the same bits ---------------------
+
+@pytest.mark.parametrize("offs, why", [
+    ([128, 256, 384, 528], r"the last \(528\) is past the 512 token rows"),
+    ([384, 256, 384, 512], r"they decrease \(offs\[0\] = 384, offs\[1\] = 256\)"),
+    ([-16, 256, 384, 512], r"the first is negative \(-16\)"),
+], ids=["past_the_tokens", "decreasing", "negative"])
+def test_offsets_that_are_not_group_ends_are_a_clear_error(offs, why):
+    """Offsets past the tokens made the recipe's gather fail deep in torch (an IndexError out of
+    _quantize_groups_rowwise) and the grouped GEMMs read rows that are not there; decreasing or
+    negative ones gave groups no grouped GEMM defines. Each is one ValueError naming graphpass,
+    the offsets and what is wrong, from the quantize and from the GEMM alike; offsets short of
+    the tokens (rows in no group) and empty groups are valid (``OFFSETS["ragged"]``)."""
+    offsets = torch.tensor(offs, dtype=torch.int32)
+    message = rf"graphpass fp8: token group offsets \[.*\] are not group ends over 512 token rows: {why}"
+    with pytest.raises(ValueError, match=message):
+        ops.check_token_groups(offsets, T)
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        ops.quantize(x, "rowwise", "input", "both", offsets)
+    data, scale = ops.quantize(x, "tensorwise", "input", "rowwise",
+                               torch.tensor(OFFSETS["aligned"], dtype=torch.int32))
+    w = torch.randn(E, N, K, dtype=torch.bfloat16)
+    wq, ws = ops.quantize(w, "tensorwise", "weight", "rowwise")
+    with pytest.raises(ValueError, match=message):
+        ops.fp8_gemm(data, scale, wq, ws, "tensorwise", "input,weight", torch.bfloat16, None,
+                     "reference", offsets)
+    ops.check_token_groups(torch.tensor(OFFSETS["ragged"], dtype=torch.int32), T)  # valid
+
+
+@pytest.mark.parametrize("kernels", ["reference", "scaled_mm"])
+def test_a_compiled_step_with_offsets_past_the_tokens_raises_the_clear_error(kernels):
+    """Under torch.compile the check runs in the step (the offsets are data): the user sees the
+    ValueError itself, not torch's IndexError from inside the recipe."""
+    torch.manual_seed(0)
+    experts = TokenGroupedExperts(False)
+    compiled = torch.compile(experts, backend=graphpass.backend(
+        codegen="eager", fp8="rowwise", kernels=kernels))
+    x = torch.randn(T, K, dtype=torch.bfloat16, requires_grad=True)
+    compiled(x, torch.tensor(OFFSETS["aligned"], dtype=torch.int32)).sum().backward()
+    with pytest.raises(ValueError, match="the last \\(528\\) is past the 512 token rows"):
+        compiled(x, torch.tensor([128, 256, 384, 528], dtype=torch.int32)).sum().backward()
+
+
+@pytest.mark.parametrize("stored_kn", [True, False], ids=["EKN", "ENK"])
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_non_contiguous_expert_weights_are_lowered_with_the_same_bits(recipe, stored_kn):
+    """An expert weight whose strides are its transpose's (a parameter made from a transposed
+    tensor): autograd computes its gradient in that layout, as the other orientation's grouped
+    GEMM transposed, which the lowering did not recognise: wgrad stayed in bf16 beside FP8
+    forward and dgrad, with a note saying 'wgrad not in this graph'. Now all three GEMMs are
+    lowered and the step's output and gradients are bit for bit those of the contiguous weight
+    (the quantizes read any layout; the FP8 copies are contiguous)."""
+    offs = torch.tensor(OFFSETS["ragged"], dtype=torch.int32)
+    x = torch.randn(T, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    grad_y = torch.randn(T, N, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    results, notes = [], []
+    for transposed in (False, True):
+        torch.manual_seed(0)
+        experts = TokenGroupedExperts(stored_kn)
+        if transposed:
+            w = experts.weight.detach()
+            experts.weight = nn.Parameter(w.transpose(-2, -1).contiguous().transpose(-2, -1))
+            assert not experts.weight.is_contiguous() and torch.equal(experts.weight, w)
+        torch._dynamo.reset()
+        compiled = torch.compile(experts, backend=graphpass.backend(
+            codegen="eager", fp8=recipe, kernels="reference"))
+        xx = x.clone().requires_grad_()
+        y = compiled(xx, offs)
+        y.backward(grad_y)
+        results.append((y, xx.grad, experts.weight.grad))
+        notes.append([n for n in graphpass.last_report().notes if "lowered" in n])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert notes[1] == notes[0] == [f"lowered: <root> (reference/{recipe})"]
+
+
+def test_a_recipe_the_grouped_kernel_cannot_take_is_a_clear_error_or_noted():
+    """blockwise has no grouped FP8 kernel: under kernels='scaled_mm' on the CPU (torch's
+    blockwise GEMM is CUDA's) it is one clear error at compile time naming the way out, and
+    kernels='auto' runs the reference provider with a note. (tensorwise's HYBRID format, whose
+    E5M2 gradients the grouped kernel refuses, loops per expert with a note:
+    test_fp8_rowwise.py::test_tensorwise_experts_say_what_still_loops.)"""
+    with pytest.raises(Exception, match="kernels='scaled_mm' cannot run here: torch's blockwise "
+                                        "FP8 GEMM \\(cuBLASLt\\) has no cpu kernel; use "
+                                        "kernels='auto' or 'reference'"):
+        _compiled_token_groups("blockwise", "scaled_mm", "cpu")
+    ref = _compiled_token_groups("blockwise", "reference", "cpu")
+    got = _compiled_token_groups("blockwise", "auto", "cpu")
+    assert any(n.startswith("kernels: kernels='auto' chose reference on cpu")
+               for n in graphpass.last_report().notes)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

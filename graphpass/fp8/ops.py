@@ -386,8 +386,36 @@ def _quantize_traced(x: Tensor, recipe: str, role: str, usage: str) -> list[Tens
     return _quantize(x, recipe, role, usage)
 
 
+def check_token_groups(offs: Tensor, tokens: int) -> None:
+    """Raise ValueError where ``offs`` are not token groups' ends over ``tokens`` rows as
+    ``torch._grouped_mm`` reads them: 1-D, none negative, none decreasing, the last at most
+    ``tokens`` (rows past it are in no group). Read on the host where they already are (a CPU
+    tensor); on CUDA that would be a host sync every step, and they are not read (as torch's
+    own grouped GEMM does not). A group past the tokens would read rows that are not there: the
+    recipe's gather fails deep in torch and the grouped GEMMs read out of bounds."""
+    if offs.device.type != "cpu" or offs.dim() != 1 or not offs.numel():
+        return
+    ends = offs.tolist()
+    why = ""
+    if ends[0] < 0:
+        why = f"the first is negative ({ends[0]})"
+    elif any(b < a for a, b in zip(ends, ends[1:])):
+        at = next(i for i, (a, b) in enumerate(zip(ends, ends[1:])) if b < a)
+        why = f"they decrease (offs[{at}] = {ends[at]}, offs[{at + 1}] = {ends[at + 1]})"
+    elif ends[-1] > tokens:
+        why = f"the last ({ends[-1]}) is past the {tokens} token rows"
+    if why:
+        shown = ends if len(ends) <= 8 else [*ends[:4], "...", *ends[-4:]]
+        raise ValueError(
+            f"graphpass fp8: token group offsets {shown} are not group ends over {tokens} token "
+            f"rows: {why}. torch._grouped_mm's offsets are each group's end, non-decreasing, the "
+            f"last at most the rows of x (rows past it belong to no group)")
+
+
 def _quantize_op(x: Tensor, recipe: str, role: str, usage: str,
                  offs: Optional[Tensor] = None) -> list[Tensor]:
+    if offs is not None:
+        check_token_groups(offs, x.shape[0])
     # Run eagerly (codegen="eager", block recipes, quantizes Inductor leaves as one op), a
     # tensorwise pair from one amax: the columnwise copy is the rowwise one transposed, bit for
     # bit (same scale, elementwise cast), so one 1-byte transpose replaces a second amax and cast
@@ -468,6 +496,9 @@ def fp8_gemm(
     a, b = _k_major(a), _k_major(b)
     provider = providers.get(kernel)
     if offs is not None:
+        # the tokens: a's rows (forward, dgrad), the contraction (wgrad: in the 16-aligned
+        # layout a bound on them)
+        check_token_groups(offs, a.shape[0] if b.dim() == 3 else a.shape[1])
         return provider.grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, recipe, a_role, b_role,
                                      out_dtype, bias, fast_accum=fast)
     if a.dim() == 3:  # batched: one GEMM per group (MoE expert), same layouts

@@ -48,6 +48,11 @@ class Linear:
     fused_backward: fx.Node | None = None
     """A library op computing dgrad and wgrad in one node (transformers' grouped_mm fallback
     backward): ``dgrad`` and ``wgrad`` are then its ``getitem`` outputs."""
+    wgrad_flipped: bool = False
+    """Token-grouped experts: the weight's gradient is ``wgrad`` transposed, the GEMM computing
+    the other orientation (``x.T @ dY`` for a weight stored (experts, N, K), ``dY.T @ x`` for
+    one stored (experts, K, N)): autograd gives the gradient the weight's strides, so it does
+    this for a weight whose strides are its transpose's (a non-contiguous parameter)."""
 
 
 def _untranspose(node: fx.Node) -> tuple[fx.Node, bool]:
@@ -265,17 +270,19 @@ def find_grouped_offsets(joint: fx.GraphModule) -> list[Linear]:
                     if set(outs) <= {0, 1} and 1 in outs:
                         lin.fused_backward, lin.wgrad, lin.dgrad = bw, outs[1], outs.get(0)
             continue
-        if op_name(base) != GROUPED_MM or not is_backward(base) or flipped:
+        if op_name(base) != GROUPED_MM or not is_backward(base):
             continue
         a, b = base.args[:2]
         if base.kwargs.get("offs", base.args[2] if len(base.args) > 2 else None) is not lin.offs:
             continue
-        # (E, N, K): dW = dY.T @ x; (E, K, N): dW = x.T @ dY
-        xt, dy = (a, b) if lin.stored_kn else (b, a)
+        # (E, N, K): dW = dY.T @ x; (E, K, N): dW = x.T @ dY; a gradient transposed after the
+        # GEMM (a weight with its transpose's strides) is the other orientation's GEMM
+        kn = lin.stored_kn != flipped
+        xt, dy = (a, b) if kn else (b, a)
         x_base, x_flip = _untranspose(xt)
         g_base, g_flip = _untranspose(dy)
-        if (x_flip == lin.stored_kn and g_flip != lin.stored_kn and _same_value(x_base, lin.x)):
-            lin.wgrad = base
+        if (x_flip == kn and g_flip != kn and _same_value(x_base, lin.x)):
+            lin.wgrad, lin.wgrad_flipped = base, flipped
     for node in _calls(joint):
         if not is_backward(node) or op_name(node) != GROUPED_MM:
             continue

@@ -348,7 +348,9 @@ def _rewrite_token_groups(lin: Linear, quantize: Callable[..., Any], gemm: Calla
         qg = quantize(lin.dgrad.args[0], "grad", False, lin.dgrad, True, offs)
         gemm(lin.dgrad, qg, qwt, "grad,weight", None, True, offs)
     if lin.wgrad is not None:
-        # (E, N, K): dW = dY.T @ x, (E, K, N): dW = x.T @ dY; both read dY columnwise
+        # (E, N, K): dW = dY.T @ x, (E, K, N): dW = x.T @ dY; both read dY columnwise. A
+        # gradient transposed after its GEMM (``wgrad_flipped``) is the other one's.
+        kn = kn != lin.wgrad_flipped
         grad = lin.wgrad.args[1] if kn else lin.wgrad.args[0].args[0]
         qgt = quantize(grad, "grad", True, lin.wgrad, True, offs)
         if kn:
