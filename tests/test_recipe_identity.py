@@ -244,3 +244,40 @@ def f(recipe, usage, by_usage, config):
                      '{"tensorwise": 16, "blockwise": 128}', 'config.fp8 != "tensorwise"']
     assert recipe_comparisons(source, {"f"}) == [
         '2: RECIPE = "blockwise"', '3: INLINED = ("tensorwise", "rowwise")']
+
+
+def test_grouped_quantize_scales_are_a_typed_value():
+    """``ops.group_scales``: how a token-grouped quantize's scales meet the groups, per recipe,
+    role and copy, one kind each (and the block length where blocks run along the tokens)."""
+    from graphpass.fp8.ops import GroupScales, TokenScales, group_scales
+
+    row, group, column, block = (TokenScales.PER_ROW, TokenScales.PER_GROUP,
+                                 TokenScales.PER_GROUP_COLUMN, TokenScales.PER_BLOCK)
+    expected = {
+        ("tensorwise", False): GroupScales(group), ("tensorwise", True): GroupScales(group),
+        ("tensorwise_e4m3", True): GroupScales(group),
+        ("rowwise", False): GroupScales(row), ("rowwise_pow2", True): GroupScales(column),
+        ("blockwise", False): GroupScales(row), ("blockwise_nopow2", True): GroupScales(block, 128),
+        ("mxfp8", False): GroupScales(row), ("mxfp8", True): GroupScales(block, 32),
+    }
+    for (key, columnwise), scales in expected.items():
+        for role in ("input", "grad"):
+            assert group_scales(key, role, columnwise) == scales
+            assert group_scales(recipes.get_recipe(key), role, columnwise) == scales
+
+
+def test_every_provider_implements_the_protocol():
+    """The providers state ``Provider``'s optional GEMMs by inheriting its defaults (one GEMM
+    per job, group or expert) or overriding them; nothing asks whether a provider has one."""
+    from graphpass.fp8 import jobs, providers, te
+
+    for cls in (providers.Reference, providers.ScaledMM, te.TransformerEngine):
+        assert jobs.Provider in cls.__mro__
+        for method in ("supports", "gemm", "gemm_many", "grouped_gemm", "batched_gemm"):
+            assert callable(getattr(cls, method))
+    assert providers.ScaledMM.grouped_gemm is not jobs.Provider.grouped_gemm
+    assert te.TransformerEngine.gemm_many is not jobs.Provider.gemm_many
+    assert providers.Reference.grouped_gemm is jobs.Provider.grouped_gemm
+    assert not hasattr(providers, "choose") and not hasattr(recipes, "recipe_key")
+    for path in (ROOT / "fp8").glob("*.py"):
+        assert "hasattr(provider" not in path.read_text(encoding="utf-8"), path
