@@ -88,6 +88,14 @@ class Config:
     within one FP8 ulp of the opaque op's (docs/fp8.md#exactness). ``False`` keeps each quantize
     one opaque op, for debugging."""
 
+    order_backward: bool = True
+    """With ``codegen="inductor"``: after the partition, each group of reductions Inductor runs
+    as one kernel (a layer's norm weight gradients) moves beside the last buffer they read, so
+    the weight-gradient quantizes and GEMMs between them run beside their data gradients instead
+    of waiting for the group, which would keep their inputs alive through the attention backward
+    (a report note says what moved; docs/memory.md#order_backward). Nodes move, no op
+    changes: gradients are bit-identical either way. ``False`` keeps torch's order."""
+
     fp8_all_gather: bool = True
     """With ``fp8="tensorwise"`` under sequence parallelism: quantize each rank's shard before the
     all-gather of a column-parallel input (and of a row-parallel output gradient in the
@@ -393,6 +401,8 @@ def _combinations(config: Config) -> None:
                                                               "level)"),
         ("recompute_include", bool(config.recompute), "a recompute selection such as "
                                                        "recompute=('core_attn',)"),
+        ("order_backward", config.codegen == "inductor", "codegen='inductor' (graphs run as "
+                                                         "they are under codegen='eager')"),
     ]
     for name, in_effect, needed in needs:
         value = getattr(config, name)

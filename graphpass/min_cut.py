@@ -18,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _compat
 from .config import Config
 from .decisions import Decision, Plan, What
+from .graph.backward_order import order_for_memory
 from .graph.nodes import module_path, op_name
 from .graph.offload_copies import Windows, partition_windows
 from .graph.peak import step_peak
@@ -44,19 +45,19 @@ def min_cut(
 
     random = random_recomputes(joint)
     if not random:
-        return partition(joint)
+        return _note_order(plan, partition(joint))
     keeping = _keeping_saved(joint, random)  # copy first: torch's partitioner edits its graph
     recomputing, kept = partition(joint), partition(keeping)
     recomputing_saved = saved(*recomputing)
     more = recomputing_saved.activation_bytes - saved(*kept).activation_bytes
     if more <= 0:
-        return recomputing
+        return _note_order(plan, recomputing)
     rng = recomputing_saved.bytes_by("kind").get("rng_state", 0)
     ops = sorted({f"{op_name(n)} in {module_path(n) or '(top level)'}" for n in random})
     plan.decide(Decision(What.KEPT_SAVED, "recompute", (
         f"{', '.join(ops)}; recomputing would save their RNG state ({rng:,} B) and {more:,} B "
         "more in all")))
-    return kept
+    return _note_order(plan, kept)
 
 
 def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan, config: Config,
@@ -66,7 +67,26 @@ def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan
     with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=offload,
                                   offload_stream=offload and config.offload_stream is not False
                                   and on_cuda):
-        return _compat.min_cut_partition(graph, joint_inputs, **partitioner_args)
+        fw, bw = _compat.min_cut_partition(graph, joint_inputs, **partitioner_args)
+    if config.codegen == "inductor" and config.order_backward:
+        bw.meta[_ORDERED] = order_for_memory(bw)  # every partition: the peak predicted follows
+    return fw, bw
+
+
+_ORDERED = "graphpass_backward_order"
+
+
+def _note_order(plan: Plan, partitioned: Partitioned) -> Partitioned:
+    """The report's note of what ``order_for_memory`` moved in the backward kept."""
+    for moved in partitioned[1].meta.get(_ORDERED, ()):
+        names = [f"{n} ({m})" for n, m in zip(moved.reductions, moved.modules)]
+        released = ", ".join(moved.released[:4]) + (", ..." if len(moved.released) > 4 else "")
+        waited = (f"the {moved.kernels} kernels that waited for them ({released}) run"
+                  if moved.kernels > 1 else f"the kernel that waited for them ({released}) runs")
+        plan.decide(Decision(What.BACKWARD_ORDER, "order_backward", (
+            f"{', '.join(names)}, which Inductor runs as one kernel, moved to follow "
+            f"{moved.after}, the last buffer they read; {waited} in the graph's order")))
+    return partitioned
 
 
 _JOINT_NODE = "graphpass_joint_node"

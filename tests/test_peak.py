@@ -365,3 +365,107 @@ def test_cpu_attention_backward_copies_a_heads_first_gradient(layout):
     gm = make_fx(lambda g: op.default(g, q, q, q, out, lse, 0.0, True))(grad)
     node, = [n for n in gm.graph.nodes if n.target is op.default]
     assert _operand_copy(node) == (b * h * s * d * 4 if layout == "heads first" else 0)
+
+
+# --- the backward ordered for memory (order_backward) ------------------------------------------------
+
+def test_backward_order_moves_fused_reductions_beside_what_they_read():
+    """Worked out by hand on the graph of ``test_inductor_kernels_of_two_weight_gradient_reductions``
+    with the independent GEMM between the two reductions: Inductor runs the two sums as one
+    kernel after the ``addmm`` the second reads, so in torch's order the GEMM ``g`` waits for
+    them. ``order_for_memory`` moves the first sum (and nothing it does not need) after the
+    ``addmm`` and the second up beside it; ``g`` then runs in place. Same values, a valid graph,
+    and one record of the move."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphpass.graph.backward_order import Moved, order_for_memory
+    from graphpass.graph.peak import inductor_kernels
+
+    def f(x, a, w1, w2, b):
+        s1 = (x * a).sum(0)
+        g = torch.mm(a, w2)
+        h = torch.mm(x, w1) + b
+        s2 = (x * h).sum(0)
+        return s1, g, s2
+
+    inputs = (torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 16), torch.randn(16, 4),
+              torch.randn(8, 16))
+    gm = make_fx(f)(*inputs)
+    ops = {n.name: str(n.target) for n in gm.graph.nodes}
+    before = gm(*inputs)
+    kernels, _ = inductor_kernels(gm)
+    assert [[n.name for n in k] for k in kernels] == [["add"], ["sum_1", "sum_2"], ["mm"]], ops
+
+    moved = order_for_memory(gm)
+
+    calls = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls == ["mul", "mm", "mm_1", "add", "sum_1", "mul_1", "sum_2"], ops
+    assert moved == [Moved(reductions=("sum_1", "sum_2"), modules=("(top level)", "(top level)"),
+                           after="add", released=("(top level)",), kernels=1)]
+    kernels, _ = inductor_kernels(gm)
+    assert [[n.name for n in k] for k in kernels] == [["mm"], ["add"], ["sum_1", "sum_2"]]
+    gm.graph.lint()
+    assert all(torch.equal(a, b) for a, b in zip(before, gm(*inputs)))
+    assert order_for_memory(gm) == []  # nothing waits any more
+
+
+def test_backward_order_lowers_the_peak_inductors_code_reaches():
+    """A Llama layer whose MLP is as wide as its attention (ffn = hidden, as many kv heads as
+    heads), fp32, under Inductor on the CPU, with and without ``order_backward``. In torch's
+    order Inductor runs the two norms' weight gradients as one kernel after the q, k and v data
+    gradients, and o_proj's weight gradient waits for it, its operands live through the
+    attention backward; moved, it runs beside o_proj's data gradient. The allocator's peak of
+    the compiled step drops and the gradients are bit-identical (the order moves nodes, no op).
+    The prediction follows both orders: within 0.1% in torch's (as
+    ``test_predicted_peak_matches_inductors_code``); the ordered step's peak is in the CPU
+    attention backward, and the prediction is short by exactly that kernel's per-thread buffers,
+    which no graph shows (one thread, fp32, seq 256: blocks of 64 queries by 256 keys, two
+    such matrices and a row of 64; DeepSeek's rows in docs/memory.md, at seq 512, are short by
+    the same buffers at 64 by 512)."""
+    import dataclasses
+
+    from benchmarks.peak_inductor import allocator_peak
+
+    config = dataclasses.replace(llama.SIZES["tiny"], ffn=256, kv_heads=4, layers=1, seq=256)
+    runs = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for order in (False, True):
+            torch.manual_seed(0)
+            model = llama.Model(config)
+            x = torch.randn(config.batch, config.seq, config.hidden, requires_grad=True)
+            backend = graphpass.backend(order_backward=order)
+            step = torch.compile(lambda x: model(x).sum(), backend=backend)
+            step(x).backward()
+            grads = [x.grad, *(p.grad for p in model.parameters())]
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            resident = sum(p.untyped_storage().nbytes() for p in model.parameters())
+            measured = allocator_peak(lambda: step(x).backward(),
+                                      resident + x.untyped_storage().nbytes())
+            report = backend.report()
+            notes = [n for n in report.notes if n.startswith("order_backward")]
+            runs[order] = report.meta["step_peak"], measured, grads, notes
+            torch._dynamo.reset()
+    finally:
+        torch.set_num_threads(threads)
+
+    (torch_order, torch_measured, torch_grads, torch_notes) = runs[False]
+    (ordered, ordered_measured, ordered_grads, ordered_notes) = runs[True]
+    assert abs(torch_order["bytes"] - torch_measured) <= 0.001 * torch_measured, \
+        (torch_order, torch_measured)
+    scratch = (2 * 64 * 256 + 64) * 4
+    assert ordered["op"] == "aten._scaled_dot_product_flash_attention_for_cpu_backward", ordered
+    assert abs(ordered["bytes"] + scratch - ordered_measured) <= 0.001 * ordered_measured, \
+        (ordered, ordered_measured)
+    assert ordered_measured < torch_measured, (ordered_measured, torch_measured)
+    assert ordered["backward_peak"] < torch_order["backward_peak"]
+    assert torch_notes == []
+    assert ordered_notes == [
+        "order_backward: sum_4 (layers.0.post_attention_layernorm), sum_6 "
+        "(layers.0.input_layernorm), which Inductor runs as one kernel, moved to follow mm_20, "
+        "the last buffer they read; the 4 kernels that waited for them (layers.0.self_attn.o_proj, "
+        "layers.0.self_attn.v_proj, layers.0.self_attn.k_proj, layers.0.self_attn.q_proj) run in "
+        "the graph's order"], ordered_notes
+    assert all(torch.equal(a, b) for a, b in zip(torch_grads, ordered_grads))

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -611,6 +611,25 @@ def inductor_kernels(gm: fx.GraphModule) -> tuple[list[list[fx.Node]], Any]:
         scheduled = _schedule(kernels, reads)
     assert scheduled is not None
     return scheduled, reads
+
+
+class FusedReductions(NamedTuple):
+    """Reductions Inductor runs as one kernel (its horizontal fusion, ``inductor_kernels``)."""
+
+    members: list[fx.Node]
+    """The reductions, in the order of ``inductor_kernels``."""
+    reads: set[fx.Node]
+    """The buffers they read (through the elementwise nodes computed inside them)."""
+    kernels: set[fx.Node]
+    """Every node of the graph that runs in a kernel of its own (its buffers, views apart)."""
+
+
+def fused_reductions(gm: fx.GraphModule) -> list[FusedReductions]:
+    """The groups of reductions ``inductor_kernels`` runs as one kernel, in its order."""
+    kernels, reads = inductor_kernels(gm)
+    every = {n for kernel in kernels for n in kernel}
+    return [FusedReductions(kernel, {b for n in kernel for b in reads(n)}, every)
+            for kernel in kernels if len(kernel) > 1 and _reduction_sizes(kernel[0]) is not None]
 
 
 def _depends_on(node: fx.Node, targets: set[fx.Node], reads: Any,
