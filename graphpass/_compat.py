@@ -184,6 +184,56 @@ def min_cut_partition(
         )
 
 
+class MinCutDumps:
+    """Where torch's min-cut wrote its debug files (``min_cut_failed_graph.txt``, an SVG with
+    pydot) when it failed: a temporary directory, made at the first file; None while none."""
+
+    directory: str | None = None
+
+
+@contextlib.contextmanager
+def min_cut_dumps() -> Iterator[MinCutDumps]:
+    """torch's min-cut writes its debug files, when it fails, into a temporary directory rather
+    than the working directory (``partitioners._get_unique_path``, 2.11 through 2.15)."""
+    import os
+    import tempfile
+
+    from torch._functorch import partitioners
+
+    dumps = MinCutDumps()
+    original = getattr(partitioners, "_get_unique_path", None)
+    if original is None:
+        yield dumps
+        return
+
+    def unique_path(base_name: str, extension: str) -> str:
+        if dumps.directory is None:
+            dumps.directory = tempfile.mkdtemp(prefix="graphpass_min_cut_")
+        return original(os.path.join(dumps.directory, base_name), extension)
+
+    partitioners._get_unique_path = unique_path
+    try:
+        yield dumps
+    finally:
+        partitioners._get_unique_path = original
+
+
+def min_cut_failure(error: BaseException) -> bool:
+    """Whether ``error`` is torch's min-cut failing: networkx's unbounded cut (a value the
+    backward needs can be neither saved nor recomputed), raised as is or as the RuntimeError
+    torch raises from it."""
+    import networkx as nx
+
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, nx.NetworkXUnbounded):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return isinstance(error, RuntimeError) and "failed to partition" in str(error)
+
+
 @contextlib.contextmanager
 def _rng_functionalization_of_random_ops_only(partitioners: Any) -> Iterator[None]:
     """On torch < 2.14: ``functionalize_rng_ops`` skips recomputed ops that ``is_rng_op`` calls
@@ -280,6 +330,44 @@ def placeholder_source(node: fx.Node) -> str | None:
         return None
     name = grapharg.source.name
     return name() if callable(name) else name
+
+
+def frame_scopes() -> dict[str, dict[str, Any]] | None:
+    """The locals (``"L"``) and globals (``"G"``) of the frame dynamo is compiling, where a
+    backend is called from its compile: the objects its sources name (``L['args'][0]`` is
+    ``frame_scopes()["L"]["args"][0]``); None elsewhere."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # not inside a dynamo compile, or a torch without current_tx
+        return None
+    scopes = {"L": getattr(tx, "f_locals", None), "G": getattr(tx, "f_globals", None)}
+    return {k: v for k, v in scopes.items() if isinstance(v, dict)} or None
+
+
+def compile_id() -> tuple[int, int] | None:
+    """The (frame id, compile of that frame) of the dynamo compile in progress: ``0/1`` is frame
+    0's second compile, a recompile after a guard failed; a graph break's next graph is another
+    frame (its resume function). None outside a dynamo compile, and under compiled autograd."""
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    if cid is None or getattr(cid, "compiled_autograd_id", None) is not None:
+        return None
+    frame, compile_ = getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None)
+    return (frame, compile_) if isinstance(frame, int) and isinstance(compile_, int) else None
+
+
+def compiled_frame() -> str | None:
+    """The code dynamo is compiling, as ``forward (model.py:12)``; None outside a compile."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+    except Exception:  # not inside a dynamo compile, or a torch without current_tx
+        return None
+    return f"{code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
 
 
 def fsdp_managed_input(node: fx.Node) -> bool:

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from . import _compat
 from .config import Config
+from .graph.nodes import Root, Step, frame_roots, parse_source, root_steps
 from .pipeline import run
 from .report import Report
 from .reporting import remember
@@ -65,6 +66,11 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
         if report is not None:
             if self.options_from:
                 report.meta["options_from"] = self.options_from
+            compile_id, frame = _compat.compile_id(), _compat.compiled_frame()
+            if compile_id is not None:  # Report.merge tells a recompile from a graph break
+                report.meta["compile_id"] = list(compile_id)
+            if frame is not None:
+                report.meta["frame"] = frame
             self.reports.append(report)
             remember(report)
         return fw, bw
@@ -97,7 +103,9 @@ class Backend:
     def report(self) -> Report | None:
         """What every graph this backend partitioned saves, merged: a model with graph breaks
         compiles to several graphs (and a break repeated per layer, to one graph per layer), all
-        of which run. ``None`` before the first backward graph."""
+        of which run. A frame compiled again (a recompile: a guard failed) counts once, as its
+        latest compile, with a ``recompile:`` note (``Report.merge``). ``None`` before the first
+        backward graph."""
         reports = self.partitioner.reports
         return Report.merge(reports) if reports else None
 
@@ -165,13 +173,76 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner
 def input_sources(gm: fx.GraphModule) -> Iterator[None]:
     """Around the compile of dynamo's graph ``gm``: what its inputs are, for the partitioner."""
     placeholders = gm.graph.find_nodes(op="placeholder")
+    sources = tuple(_compat.placeholder_source(n) for n in placeholders)
     token = _graph_inputs.set(GraphInputs(
-        sources=tuple(_compat.placeholder_source(n) for n in placeholders),
-        fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders)))
+        sources=sources, fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders)))
+    roots = frame_roots.set(module_roots(gm, sources))
     try:
         yield
     finally:
+        frame_roots.reset(roots)
         _graph_inputs.reset(token)
+
+
+def module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> dict[
+        tuple[str, tuple[Step, ...]], Root]:
+    """Where the model is in the sources of dynamo's graph ``gm`` (its module stacks and input
+    sources), found from the objects of the frame being compiled: the first module the names
+    lead to (``args[0]`` behind a decorator, ``func`` of a partial, but a child named ``func`` of
+    the compiled module itself), then through torch's data-parallel wrappers (``wrapper_child``).
+    Outside a dynamo compile, the names alone decide (``graph.nodes.normalize_path``)."""
+    scopes = _compat.frame_scopes()
+    if scopes is None:
+        return {}
+    names = {*filter(None, sources)}
+    for node in gm.graph.nodes:
+        names.update(path for path, _ in (node.meta.get("nn_module_stack") or {}).values())
+    roots: dict[tuple[str, tuple[Step, ...]], Root] = {}
+    for name in names:
+        parsed = parse_source(name) if isinstance(name, str) else None
+        if parsed is None:
+            continue
+        local, steps = parsed
+        scope, variable = scopes.get(local[0], {}), local[3:-2]  # "L['args']": L, args
+        key = (local, tuple(steps[:root_steps(steps)]))
+        if key not in roots and variable in scope:
+            roots[key] = _root(scope[variable], list(key[1]))
+    return roots
+
+
+def _root(obj: Any, steps: list[Step]) -> Root:
+    """The root of sources that begin with ``steps`` after a local holding ``obj``."""
+    n = 0
+    while not isinstance(obj, torch.nn.Module) and n < len(steps):
+        try:
+            obj = obj[_index(steps[n].name)] if steps[n].subscript else getattr(obj, steps[n].name)
+        except Exception:  # not an object this walk can follow: the names decide
+            return Root(len(steps))
+        n += 1
+    if not isinstance(obj, torch.nn.Module):
+        return Root(len(steps))
+    through = []
+    while (child := wrapper_child(obj)) is not None:
+        through.append(child[0])
+        obj = child[1]
+    return Root(n, tuple(through))
+
+
+def _index(key: str) -> Any:
+    return int(key) if key.lstrip("-").isdigit() else key
+
+
+def wrapper_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """The module that ``module`` wraps, where it is one of torch's data-parallel wrappers
+    (``DataParallel``, ``DistributedDataParallel``: ``module``). torch's other wrappers
+    (``torch.compile``'s ``_orig_mod``, FSDP1, ``checkpoint_wrapper``) are left out by their
+    attributes' names (``graph.nodes.TORCH_WRAPPERS``). A module of your own that holds the model
+    is part of the paths (``model.lm_head``): only its code says it is a wrapper."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(module, (DataParallel, DistributedDataParallel)):
+        return "module", module.module
+    return None
 
 
 def backend(**options: Any) -> Backend:

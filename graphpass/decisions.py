@@ -66,6 +66,7 @@ class What(enum.Enum):
     FLOPS_ESTIMATED = "flops: estimated as one per element for {why}"
     COLLECTIVES = "collectives in the {why}"
     SIZES_ASSUMED = "sizes: {why}"
+    RECOMPILED = "recompile: {why}"
     # the backward's order for Inductor
     BACKWARD_ORDER = "order_backward: {why}"
 

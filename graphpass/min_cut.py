@@ -10,6 +10,7 @@ bytes is used.
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
@@ -17,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
 from .config import Config
-from .decisions import Decision, Plan, What
+from .decisions import Decision, Plan, What, facts
 from .graph.backward_order import order_for_memory
 from .graph.nodes import module_path, op_name
 from .graph.offload_copies import Windows, partition_windows
@@ -66,8 +67,14 @@ def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan
     offload = config.offload or plan.budget_offloads  # the memory budget may offload alone
     with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=offload,
                                   offload_stream=offload and config.offload_stream is not False
-                                  and on_cuda):
-        fw, bw = _compat.min_cut_partition(graph, joint_inputs, **partitioner_args)
+                                  and on_cuda), _compat.min_cut_dumps() as dumps:
+        names = {n.name: n for n in graph.graph.nodes}  # torch's partitioner edits the graph
+        try:
+            fw, bw = _compat.min_cut_partition(graph, joint_inputs, **partitioner_args)
+        except Exception as e:
+            if not _compat.min_cut_failure(e):
+                raise
+            raise PartitionError(_failure(names, config, e, dumps.directory)) from e
     if config.codegen == "inductor" and config.order_backward:
         bw.meta[_ORDERED] = order_for_memory(bw)  # every partition: the peak predicted follows
     return fw, bw
@@ -87,6 +94,44 @@ def _note_order(plan: Plan, partitioned: Partitioned) -> Partitioned:
             f"{', '.join(names)}, which Inductor runs as one kernel, moved to follow "
             f"{moved.after}, the last buffer they read; {waited} in the graph's order")))
     return partitioned
+
+
+class PartitionError(RuntimeError):
+    """torch's min-cut could not partition a joint graph under graphpass's tags. The first line
+    names the modules, the options and the policy of the nodes involved; torch's own message
+    follows."""
+
+
+# torch's message lists the nodes of the path it could not cut, one per line: "  <name>:".
+_CONFLICT_NODE = re.compile(r"^  (\w+):$", re.MULTILINE)
+
+
+def _failure(names: dict[str, fx.Node], config: Config, error: BaseException,
+             directory: str | None) -> str:
+    """The message of a failed min-cut: one line naming the modules, the options and the
+    policy of each node torch lists as involved (else of every node graphpass tagged), then
+    torch's message."""
+    text = str(error)
+    involved = [names[m] for m in dict.fromkeys(_CONFLICT_NODE.findall(text)) if m in names]
+    nodes = involved or [n for n in names.values() if n.meta.get("recompute") is not None]
+    modules = ", ".join(dict.fromkeys(module_path(n) or "<root>" for n in nodes)) or "<root>"
+
+    policies: dict[str, list[str]] = {}  # "MUST_RECOMPUTE by recompute mlp": node names
+    for node in nodes:
+        tagged, decision = node.meta.get("recompute"), facts(node).recompute
+        by = decision.by if decision is not None else "your checkpoint policy"
+        key = f"{getattr(tagged, 'name', tagged)} by {by}" if tagged is not None else "untagged"
+        policies.setdefault(key, []).append(node.name)
+    shown = "; ".join(f"{key} ({len(names)} node(s): {', '.join(names[:4])}"
+                      + (", ...)" if len(names) > 4 else ")") for key, names in policies.items())
+    options = ", ".join(f"{k}={v!r}" for k, v in config.changed().items())
+    dumped = (f"; torch's debug files are in {directory}" if directory
+              else "; torch wrote no debug files")
+    first = (f"graphpass could not partition the graph of {modules} under "
+             f"graphpass.backend({options}): torch's min-cut found a value the backward needs "
+             f"that can be neither saved nor recomputed (policy: {shown or 'no node tagged'})"
+             f"{dumped}")
+    return f"{first}\n\n{type(error).__name__}: {text}"
 
 
 _JOINT_NODE = "graphpass_joint_node"

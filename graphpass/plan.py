@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from .backend import Partitioner, eager_compile, input_sources
 from .config import Config, given
+from .min_cut import PartitionError
 from .report import Report
 from . import _compat
 
@@ -51,7 +52,7 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None,
         try:
             compiled(*fake_inputs, **fake_kwargs)
         except Exception as e:  # a budget no plan meets: the ValueError itself
-            error = _compat.backend_value_error(e)
+            error = _compat.backend_value_error(e) or _partition_error(e)
             if error is None:
                 raise
             raise error from None
@@ -62,6 +63,13 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None,
             "inference graph that saves nothing for backward"
         ])
     return Report.merge(reports)
+
+
+def _partition_error(error: BaseException) -> PartitionError | None:
+    """The PartitionError of a min-cut that failed, where dynamo wrapped it: its first line
+    names the modules, the options and the policy."""
+    inner = getattr(error, "inner_exception", None)
+    return inner if isinstance(inner, PartitionError) else None
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextvars
 import re
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -10,14 +12,82 @@ import torch.fx as fx
 from .. import _compat
 
 _MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]|\._(?:modules|parameters|buffers)\[")
-_SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 _KEYWORD = re.compile(r"\[([^\]]+)\]")
+_LOCAL = re.compile(r"^([LG])\['([^']*)'\]")  # a local or a global of the frame
+_SOURCE_PREFIX = re.compile(r"^[LG]\['[^']*'\]\.?")
 _PRIVATE_DICTS = re.compile(r"\._(?:modules|parameters|buffers)\.")
+# One step of a source after its local: ``._modules['x']`` (also ``_parameters``/``_buffers``),
+# ``.x`` or ``[x]``.
+_STEP = re.compile(r"\._(?:modules|parameters|buffers)\[['\"]?([^\]'\"]+)['\"]?\]"
+                   r"|\.(\w+)|\[['\"]?([^\]'\"]*)['\"]?\]")
+# Attributes of a function object, never a module's child: a functools.partial's ``func``, a
+# bound method's ``__self__``, a functools.wraps wrapper's ``__wrapped__``.
+_FUNCTION_ATTRS = frozenset({"func", "__self__", "__wrapped__", "__func__"})
+# The attributes torch's own wrappers hold the wrapped module in (torch.compile's
+# OptimizedModule, FSDP1, checkpoint_wrapper); torch's state-dict names leave them out too.
+TORCH_WRAPPERS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+class Step(NamedTuple):
+    name: str
+    subscript: bool
+    """``[x]`` rather than an attribute (``.x``, ``._modules['x']``)."""
+
+
+class Root(NamedTuple):
+    """Where the model's module paths begin in the sources of one compiled frame."""
+
+    steps: int
+    """How many steps after the local lead to the model (``args[0]``: one)."""
+    through: tuple[str, ...] = ()
+    """Wrapper modules' attributes after those steps that paths leave out (``module``)."""
+
+
+# Set by the backend around a compile: the frame's roots, found from its objects
+# (``backend.module_roots``), keyed by the local and the steps the names alone take as the root.
+frame_roots: contextvars.ContextVar[dict[tuple[str, tuple[Step, ...]], Root]] = \
+    contextvars.ContextVar("graphpass_frame_roots", default={})
+
+
+def parse_source(source: str) -> tuple[str, list[Step]] | None:
+    """``L['args'][0]._modules['body'].fc`` -> ``("L['args']", [Step('0', True),
+    Step('body', False), Step('fc', False)])``; None for a source that is no local's or
+    global's."""
+    local = _LOCAL.match(source)
+    if local is None:
+        return None
+    steps, at = [], local.end()
+    while at < len(source):
+        step = _STEP.match(source, at)
+        if step is None:  # a form this parser does not know: the rest as one step
+            steps.append(Step(source[at:].lstrip("."), False))
+            break
+        module, attr, item = step.groups()
+        steps.append(Step(item, True) if item is not None else Step(module or attr, False))
+        at = step.end()
+    return local.group(0), steps
+
+
+def root_steps(steps: list[Step]) -> int:
+    """How many leading steps lead to the model by their names alone: subscripts of the local
+    (the ``args`` of a ``(*args, **kwargs)`` decorator) and function attributes (a partial's
+    ``func``, a bound method's ``__self__``)."""
+    n = 0
+    while n < len(steps) and (steps[n].subscript or steps[n].name in _FUNCTION_ATTRS):
+        n += 1
+    return n
 
 
 def normalize_path(source: str, *, of_module: bool = True) -> str:
     """``L['self'].layers[0]._modules['attn']._parameters['weight']`` -> ``layers.0.attn.weight``.
+
+    The path begins at the model, whatever the compiled frame calls it: ``L['self']``,
+    ``L['args'][0]`` (a forward behind a ``(*args, **kwargs)`` decorator), ``L['fn'].func`` (a
+    ``functools.partial``), ``L['fn'].func.__self__`` (a partial of a bound method), the module
+    a DataParallel or DDP holds (``frame_roots``, found by the backend from the frame's
+    objects); torch's wrapper attributes (``_orig_mod``, ``_checkpoint_wrapped_module``,
+    ``_fsdp_wrapped_module``) are left out.
 
     Graph-input sources (``of_module=False``) that are not attributes of the compiled module are
     the user's inputs: ``L['x']`` -> ``input:x``, and a keyword input that a ``**kwargs`` took
@@ -32,10 +102,18 @@ def normalize_path(source: str, *, of_module: bool = True) -> str:
         if keyword:  # a keyword input (a forward taking **kwargs): by its keyword
             name, rest = keyword.group(1), rest[keyword.end():]
         return f"input:{name}{rest}"
-    path = _SOURCE_PREFIX.sub("", source)
-    path = _SUBSCRIPT.sub(r".\1", path)
-    path = _PRIVATE_DICTS.sub(".", "." + path).strip(".")
-    return path
+    parsed = parse_source(source)
+    if parsed is None:  # a form parse_source does not know: the names as they are
+        path = _SUBSCRIPT.sub(r".\1", _SOURCE_PREFIX.sub("", source))
+        return _PRIVATE_DICTS.sub(".", "." + path).strip(".")
+    local, steps = parsed
+    n = root_steps(steps)
+    root = frame_roots.get().get((local, tuple(steps[:n])), Root(n))
+    steps = steps[root.steps:]
+    through = len(root.through)
+    if tuple(s.name for s in steps[:through]) == root.through:
+        steps = steps[through:]
+    return ".".join(s.name for s in steps if s.name not in TORCH_WRAPPERS)
 
 
 def module_stack(node: fx.Node) -> list[tuple[str, type]]:

@@ -37,6 +37,7 @@ from ..fp8 import cost, ops, providers, recipes
 from ..fp8.ops import FP8_GEMM, QUANTIZE
 from ..graph import gemms
 from ..graph.flops import node_flops
+from ..graph.heads import HEAD_PATTERNS, output_heads
 from ..graph.linears import Linear, find_grouped, find_grouped_offsets, find_linears
 from ..graph.nodes import module_path, op_name
 
@@ -54,9 +55,17 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     linears = plain + find_grouped(joint) + find_grouped_offsets(joint)
     for pattern in config.fp8_exclude:
         plan.count("fp8_exclude", pattern, sum(fnmatch.fnmatchcase(lin.module, pattern) for lin in linears))
-    slower = _slower_in_fp8(plain, config)
+    heads = output_heads(plain)
+    asked = [p for p in config.fp8_exclude if p in HEAD_PATTERNS]
+    kept_heads = {f: (f"the output head ({how}); fp8_exclude's {' and '.join(map(repr, asked))} "
+                      "keep it in high precision") for f, how in heads.items() if asked}
+    slower = _slower_in_fp8(plain, config, kept_heads)
     for lin in linears:
-        reason = why_not_lowered(lin, config) or slower.get(lin.fprop)
+        reason = why_not_lowered(lin, config)
+        head = heads.get(lin.fprop)
+        if head and reason and reason.startswith("excluded by pattern"):
+            reason += f"; the output head ({head})"
+        reason = reason or kept_heads.get(lin.fprop) or slower.get(lin.fprop)
         if reason:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)
             for node in (lin.fprop, lin.dgrad, lin.wgrad):
@@ -73,6 +82,9 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         _rewrite(joint, lin, recipe.key, provider.name, quantized, replaced)
         missing = [g for g, n in (("dgrad", lin.dgrad), ("wgrad", lin.wgrad)) if n is None]
         extra = f"; {', '.join(missing)} not in this graph" if missing else ""
+        if head:  # lowered though the graph shows the output head: fp8_exclude names no head
+            extra += (f"; the output head ({head}), lowered: fp8_exclude has neither "
+                      f"{HEAD_PATTERNS[0]!r} nor {HEAD_PATTERNS[1]!r}")
         plan.decide(Decision(What.LOWERED, "fp8", f"{provider.name}/{recipe.label}{extra}",
                              lin.module), once=True)
         if provider.name == "scaled_mm" and (lin.offs is not None or lin.w.meta["val"].dim() == 3):
@@ -155,14 +167,17 @@ def _move_before(reused: tuple[fx.Node, fx.Node], x: fx.Node, before: fx.Node) -
         before.prepend(node)
 
 
-def _slower_in_fp8(linears: list[Linear], config: Config) -> dict[fx.Node, str]:
+def _slower_in_fp8(linears: list[Linear], config: Config,
+                   kept: dict[fx.Node, str] | None = None) -> dict[fx.Node, str]:
     """The plain linears (not grouped experts) that the roofline of ``config.fp8_cost_model``
-    estimates faster in bf16, by forward node, with the reason. A linear's input quantize is
+    estimates faster in bf16, by forward node, with the reason (output heads ``kept`` in high
+    precision are not estimated). A linear's input quantize is
     shared by the lowered linears that read the same tensor (q, k and v), and costs nothing more
     where one of them is lowered anyway."""
     if config.fp8_cost_model == "off":
         return {}
-    eligible = [lin for lin in linears if why_not_lowered(lin, config) is None]
+    eligible = [lin for lin in linears
+                if why_not_lowered(lin, config) is None and lin.fprop not in (kept or {})]
     sharers: dict[Any, int] = {}
     for lin in eligible:
         sharers[_canonical(lin.x)] = sharers.get(_canonical(lin.x), 0) + 1

@@ -119,7 +119,15 @@ class Report(SavedTotals):
 
     @staticmethod
     def merge(reports: Iterable["Report"]) -> "Report":
-        reports = list(reports)
+        """One report of the graphs that run in one step. Graphs of different frames (a graph
+        break splits a forward into several) all run: their rows, bytes and FLOPs add up, the
+        rows prefixed ``g0.``, ``g1.``, .... A frame compiled again (``meta["compile_id"]``,
+        ``[frame, compile]``, the same frame with a higher compile: a guard failed, or a shape
+        changed under ``dynamic=False``) replaces its earlier compile's graphs, which run no
+        more in that step: only the latest compile of each frame is merged, with a
+        ``recompile:`` note saying what it replaced (``meta["replaced_graphs"]`` counts them)."""
+        all_reports = list(reports)
+        reports, replaced = _latest_compiles(all_reports)
         merged = Report(rows=[], notes=[], graphs=0, meta=dict(reports[0].meta) if reports else {})
         for i, rep in enumerate(reports):
             prefix = f"g{i}." if len(reports) > 1 else ""
@@ -142,6 +150,11 @@ class Report(SavedTotals):
             merged.meta["step_peak"] = merge_peaks(
                 [rep.meta["step_peak"] for rep in reports], [rep.activation_bytes for rep in reports],
                 [rep.meta["step_peak"]["by_kind"].get("parameter", 0) for rep in reports])
+        if replaced:
+            merged.decisions += replaced
+            merged.notes += [str(d) for d in replaced]
+            merged.meta["replaced_graphs"] = len(all_reports) - len(reports)
+        merged.meta.pop("compile_id", None)  # one graph's; the merged reports' are theirs
         return merged
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,3 +187,33 @@ class Report(SavedTotals):
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _latest_compiles(reports: list[Report]) -> tuple[list[Report], list[Decision]]:
+    """``reports`` less those a later compile of the same frame replaced, in order, and one
+    ``recompile:`` decision per frame compiled again. Reports
+    without a compile id (``aot_function``, compiled autograd) are all kept."""
+    def cid(rep: Report) -> tuple[int, int] | None:
+        value = rep.meta.get("compile_id")
+        return (int(value[0]), int(value[1])) if isinstance(value, (list, tuple)) else None
+
+    latest: dict[int, int] = {}
+    for rep in reports:
+        if (c := cid(rep)) is not None:
+            latest[c[0]] = max(latest.get(c[0], c[1]), c[1])
+    kept = [rep for rep in reports if (c := cid(rep)) is None or c[1] == latest[c[0]]]
+    notes = []
+    for frame, last in latest.items():
+        old = [rep for rep in reports if (c := cid(rep)) is not None and c[0] == frame
+               and c[1] != last]
+        if not old:
+            continue
+        where = next((rep.meta["frame"] for rep in reports if cid(rep) == (frame, last)
+                      and rep.meta.get("frame")), "")
+        earlier = ", ".join(sorted({f"{frame}/{cid(rep)[1]}" for rep in old}))
+        notes.append(Decision(What.RECOMPILED, "report", (
+            f"frame {frame}{f' ({where})' if where else ''} was compiled again (compile "
+            f"{frame}/{last}: a guard failed, such as a new shape or a changed Python value); "
+            f"its graph replaces the {len(old)} graph(s) of compile {earlier}, which this report "
+            "leaves out (they run only for inputs that pass their guards)")))
+    return kept, notes

@@ -1,0 +1,247 @@
+"""Module paths begin at the model whatever the compiled frame calls it (a decorated forward, a
+functools.partial, a bound method, a wrapper module), and the output head is recognised from the
+graph as well as by its name: fp8_exclude's defaults keep it in high precision either way, with a
+note, and a head that is lowered says so."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphpass
+from graphpass.decisions import What
+from graphpass.graph.nodes import normalize_path
+
+D, V = 64, 512  # a head of V columns from D: at least 4x
+
+
+def passthrough(f):
+    """A ``(*args, **kwargs)`` decorator, as transformers' ``deprecate_kwarg`` is."""
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, **kwargs)
+    return wrapper
+
+
+class Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Body()
+        self.lm_head = nn.Linear(D, V)
+
+    def forward(self, x):
+        return self.lm_head(self.body(x))
+
+
+class DecoratedLM(LM):
+    @passthrough
+    def forward(self, x):
+        return self.lm_head(self.body(x))
+
+
+def _hf_decorated():
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    class HFDecoratedLM(LM):
+        @deprecate_kwarg("past_key_value", new_name="past_key_values", version="9.0")
+        def forward(self, x, past_key_values=None):
+            return self.lm_head(self.body(x))
+
+    return HFDecoratedLM()
+
+
+class WithLoss(nn.Module):
+    """A loss wrapper: the model its one child with parameters, a loss module beside it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.loss = nn.MSELoss()
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        return self.loss(out, torch.zeros_like(out))
+
+
+FRAMES = {
+    "module": lambda: LM(),
+    "decorated forward": lambda: DecoratedLM(),
+    "transformers deprecate_kwarg": _hf_decorated,
+    "functools.partial": lambda: functools.partial(LM()),
+    "partial of the bound forward": lambda: functools.partial(LM().forward),
+    "torch.compile(model.forward)": lambda: LM().forward,
+    "decorated forward, bound": lambda: DecoratedLM().forward,
+    "accelerate's wrapped forward": lambda: _wrapped_forward(LM()),
+    "nn.DataParallel": lambda: nn.DataParallel(LM()),
+    "nn.DataParallel of a decorated forward": lambda: nn.DataParallel(DecoratedLM()),
+}
+
+
+def _wrapped_forward(model: nn.Module) -> nn.Module:
+    """accelerate's ``prepare``: ``model.forward`` replaced by a ``functools.wraps`` wrapper
+    (``convert_outputs_to_fp32``), an instance attribute."""
+    model.forward = passthrough(model.forward)
+    return model
+
+
+def _compile_step(fn, *args, **options):
+    backend = graphpass.backend(codegen="eager", fp8="tensorwise", fp8_min_gemm_flops=0, **options)
+    out = torch.compile(fn, backend=backend)(*args)
+    out.sum().backward()
+    return backend.report()
+
+
+def _fp8(report):
+    """{module: lowered?} and the not-lowered reasons, by module."""
+    lowered = {d.module for d in report.decisions if d.what is What.LOWERED}
+    not_lowered = {d.module: d.why for d in report.decisions if d.what is What.NOT_LOWERED}
+    return lowered, not_lowered
+
+
+@pytest.mark.parametrize("frame", list(FRAMES))
+def test_paths_begin_at_the_model_whatever_the_frame_calls_it(frame):
+    report = _compile_step(FRAMES[frame](), torch.randn(32, D))
+    lowered, not_lowered = _fp8(report)
+    assert lowered == {"body.fc"}
+    # by its name: the head's path is the model's, so the default pattern matches it
+    assert set(not_lowered) == {"lm_head"}
+    assert not_lowered["lm_head"].startswith("excluded by pattern 'lm_head'; the output head")
+    # the rows too: a saved weight by its parameter's path, activations by their modules
+    assert {r.module for r in report.rows} == {"body", "body.fc", "lm_head.weight"}
+
+
+@pytest.mark.parametrize("model", [lambda: WithLoss(DecoratedLM()),
+                                   lambda: nn.Sequential(DecoratedLM())])
+def test_a_module_of_your_own_around_the_model_keeps_its_head_in_high_precision(model):
+    """Your wrapper is part of the paths (``model.lm_head``, ``0.lm_head``), which the pattern
+    'lm_head' does not match; the graph shows the head."""
+    report = _compile_step(model(), torch.randn(32, D))
+    lowered, not_lowered = _fp8(report)
+    prefix = "model." if isinstance(model(), WithLoss) else "0."
+    assert lowered == {prefix + "body.fc"} and set(not_lowered) == {prefix + "lm_head"}
+    assert not_lowered[prefix + "lm_head"] == (
+        f"the output head (from the graph: a graph output through no other GEMM, {V} columns "
+        f"from {D}); fp8_exclude's 'output' and 'lm_head' keep it in high precision")
+
+
+def test_a_child_named_like_a_function_attribute_stays_in_the_path():
+    class Funcs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.func = nn.Linear(D, D)
+            self.lm_head = nn.Linear(D, V)
+
+        def forward(self, x):
+            return self.lm_head(self.func(x).relu())
+
+    lowered, not_lowered = _fp8(_compile_step(Funcs(), torch.randn(32, D)))
+    assert lowered == {"func"} and set(not_lowered) == {"lm_head"}
+
+
+def test_a_model_whose_only_part_is_a_layer_stack_is_no_wrapper():
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Body(), Body()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    lowered, _ = _fp8(_compile_step(Stack(), torch.randn(32, D)))
+    assert lowered == {"layers.0.fc", "layers.1.fc"}
+
+
+@pytest.mark.parametrize("source, path", [
+    ("L['self'].layers[0]._modules['attn']._parameters['weight']", "layers.0.attn.weight"),
+    ("L['args'][0].body.fc", "body.fc"),
+    ("L['args'][0]._modules['lm_head']._parameters['weight']", "lm_head.weight"),
+    ("L['fn'].func.body", "body"),
+    ("L['fn'].func.__self__._modules['lm_head']", "lm_head"),
+    ("L['self']._orig_mod.layers[1]._checkpoint_wrapped_module.mlp", "layers.1.mlp"),
+    ("L['m'].body", "body"),
+    ("G['model']._modules['lm_head']._parameters['weight']", "lm_head.weight"),  # a global
+    ("L['self']", ""),
+])
+def test_normalize_path_by_names_alone(source, path):
+    assert normalize_path(source) == path
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 4 * D)
+        self.down = nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class MaskedLM(nn.Module):
+    """A BERT-like masked LM: its head is ``decoder``, and the loss is computed in the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.block = Block()
+        self.decoder = nn.Linear(D, V)
+
+    def forward(self, ids, labels):
+        logits = self.decoder(self.block(self.embed(ids)))
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+
+class Logits(nn.Module):
+    """Logits returned for a loss outside the graph, the head named neither lm_head nor output."""
+
+    def __init__(self, out: int = V) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.block = Block()
+        self.proj = nn.Linear(D, out)
+
+    def forward(self, ids):
+        return self.proj(self.block(self.embed(ids)))
+
+
+IDS = torch.randint(0, V, (2, 16))
+
+
+@pytest.mark.parametrize("model, args, head, how", [
+    (MaskedLM, (IDS, IDS), "decoder", "the logits of a log-softmax, through no other GEMM"),
+    (Logits, (IDS,), "proj", f"a graph output through no other GEMM, {V} columns from {D}"),
+])
+def test_the_output_head_is_recognised_from_the_graph(model, args, head, how):
+    torch.manual_seed(0)
+    lowered, not_lowered = _fp8(_compile_step(model(), *args))
+    assert lowered == {"block.up", "block.down"}  # the up-projection (4x) reaches a GEMM first
+    assert set(not_lowered) == {head}
+    assert not_lowered[head] == (
+        f"the output head (from the graph: {how}); fp8_exclude's 'output' and 'lm_head' keep it "
+        "in high precision")
+    # a head lowered because fp8_exclude names no head is a note too
+    report = _compile_step(model(), *args, fp8_exclude=("*.gate",))
+    lowered, not_lowered = _fp8(report)
+    assert lowered == {"block.up", "block.down", head} and not not_lowered
+    note = next(n for n in report.notes if n.startswith(f"lowered: {head} "))
+    assert note.endswith(f"the output head (from the graph: {how}), lowered: fp8_exclude has "
+                         "neither 'lm_head' nor 'output')")
+
+
+def test_a_projection_no_wider_than_its_input_is_no_head():
+    lowered, not_lowered = _fp8(_compile_step(Logits(out=2 * D), IDS))
+    assert lowered == {"block.up", "block.down", "proj"} and not not_lowered
