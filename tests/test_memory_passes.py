@@ -596,23 +596,30 @@ def test_dropout_masks_are_never_redrawn_in_the_backward(codegen):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("recompute", [(), ("mlp",), ("full",)])
-def test_fp8_weight_once_note_says_whether_dgrads_copy_is_saved(recompute):
+@pytest.mark.parametrize("recompute, cache", [((), False), (("mlp",), False), (("full",), False),
+                                              ((), True)], ids=["saved", "mlp", "full", "cache"])
+def test_fp8_weight_once_note_says_whether_dgrads_copy_is_saved(recompute, cache):
     """``fp8_weight_once``'s note says dgrad's copy is saved where the partition saves it; under
     a recompute selection that takes the weight's quantize of both usages (``mlp``, ``full``) the
     backward quantizes the weight again, nothing of it is saved, and the note says that, naming
-    the selection. By hand (fc1 64x32, fc2 32x64, tensorwise): each saved copy 2,048 B of FP8
-    data and a 4 B scale."""
+    the selection; under ``fp8_weight_cache`` the backward looks the copy up in the cache. By
+    hand (fc1 64x32, fc2 32x64, tensorwise): each saved copy 2,048 B of FP8 data and a 4 B
+    scale; fc1's W.T (32x64) is the only 32x64 FP8 row (fc2's input copy is 64x32)."""
     torch.manual_seed(0)
     report = graphpass.plan(_Stack(32, ["mlp"]), torch.randn(2, 16, 32), config=graphpass.Config(
-        fp8="tensorwise", fp8_weight_once=True, recompute=recompute))
+        fp8="tensorwise", fp8_weight_once=True, recompute=recompute, fp8_weight_cache=cache))
     notes = [n for n in report.notes if n.startswith("fp8_weight_once")]
-    weight_rows = [r for r in report.rows if r.kind == "fp8_data" and r.shape in ((32, 64),)]
+    weight_rows = [r.module for r in report.rows if r.kind == "fp8_data" and r.shape == (32, 64)]
     head = "the weight's two FP8 copies quantized in the forward, from one read"
-    if not recompute:
+    if cache:
+        assert notes == [f"fp8_weight_once: layers.0.{m}: {head} once per optimizer step "
+                         "(fp8_weight_cache), looked up by the backward: dgrad's copy held by "
+                         "the cache, not saved" for m in ("fc1", "fc2")]
+        assert not weight_rows
+    elif not recompute:
         assert notes == [f"fp8_weight_once: layers.0.{m}: {head}; dgrad's copy saved (2,052 B)"
                          for m in ("fc1", "fc2")]
-        assert [r.module for r in weight_rows] == ["layers.0.fc1"]  # fc1's W.T (32x64)
+        assert weight_rows == ["layers.0.fc1"]
     else:
         assert notes == [f"fp8_weight_once: layers.0.{m}: {head}, and again in the backward "
                          f"(recompute {recompute[0]}): dgrad's copy recomputed, not saved"

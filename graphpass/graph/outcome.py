@@ -58,17 +58,21 @@ def weight_once_outcome(decisions: list[Decision], bw: fx.GraphModule) -> list[D
     the backward recomputes (a recompute selection took it, or the memory budget, or your
     checkpoint) saying so: its note, written before those passes, says dgrad's copy is saved,
     and the partition saves nothing of it."""
-    recomputed: dict[str, str] = {}
+    head = "the weight's two FP8 copies quantized in the forward, from one read"
+    why: dict[str, str] = {}
     for node in bw.graph.nodes:
-        if (node.op == "call_function" and op_name(node) == "graphpass.quantize"
+        if (node.op == "call_function"
+                and op_name(node) in ("graphpass.quantize", "graphpass.quantize_weight")
                 and _compat.partition_side(node) == "is_forward" and len(node.args) >= 4
                 and node.args[2] == "weight" and node.args[3] == "both"
                 and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"):
-            recomputed[node.args[0].name] = recompute_decision(node).by
-    return [dataclasses.replace(d, why=(
-                "the weight's two FP8 copies quantized in the forward, from one read, and again "
-                f"in the backward ({recomputed[d.node]}): dgrad's copy recomputed, not saved"))
-            if d.what is What.WEIGHT_ONCE and d.node in recomputed else d for d in decisions]
+            why[node.args[0].name] = (
+                f"{head}, and again in the backward ({recompute_decision(node).by}): dgrad's "
+                "copy recomputed, not saved" if op_name(node) == "graphpass.quantize" else
+                f"{head} once per optimizer step (fp8_weight_cache), looked up by the backward: "
+                "dgrad's copy held by the cache, not saved")
+    return [dataclasses.replace(d, why=why[d.node])
+            if d.what is What.WEIGHT_ONCE and d.node in why else d for d in decisions]
 
 
 def recompute_decision(node: fx.Node) -> Decision:
