@@ -27,7 +27,8 @@ scheduler gives a fused node: reductions of the same sizes that read a common bu
 kernel, run where the first stood, after what the later ones read, and the kernels in between
 that it does not need run after it (two norms' weight gradients reading the layer's input move
 past the attention backward, the layer's weight-gradient GEMMs after them, keeping their
-inputs alive). A GEMM plus a tensor is one ``addmm``. A buffer Inductor's code frees is kept
+inputs alive; ``order_backward``, ``graph/backward_order.py``, moves such groups where nothing
+waits for them, from ``fused_reductions``, before this walk reads the graph). A GEMM plus a tensor is one ``addmm``. A buffer Inductor's code frees is kept
 for a later allocation of its dtype and size where Inductor's wrapper keeps it (its reuse pool,
 bounded by Inductor's own peak estimate, which this walk reproduces). And the CPU attention
 backward's copy of an output gradient in (batch, heads, sequence, dim) order is counted while
