@@ -50,6 +50,7 @@ def test_a_recompile_replaces_the_graph_it_recompiles():
     assert [r.meta["compile_id"] for r in backend.partitioner.reports] == [[0, 0], [0, 1]]
     merged = backend.report()
     assert merged.graphs == 1 and merged.meta["replaced_graphs"] == 1
+    assert merged.meta["compile_id"] == [0, 1]  # the one graph merged: its compile
     assert merged.activation_bytes == once.activation_bytes
     assert [r.name for r in merged.rows] == [r.name for r in once.rows]  # no g0./g1. prefixes
     assert merged.meta["step_flops"] == once.meta["step_flops"]
@@ -92,7 +93,7 @@ def test_merge_keeps_the_latest_compile_of_each_frame():
                            _report(1, 1, 80), _report(2, 0, 8)])
     assert merged.graphs == 3 and merged.activation_bytes == 800 + 80 + 8
     assert merged.meta["replaced_graphs"] == 2
-    assert "compile_id" not in merged.meta
+    assert "compile_id" not in merged.meta and "frame" not in merged.meta  # several graphs
     notes = [d for d in merged.decisions if d.what is What.RECOMPILED]
     assert [d.why.split(" was")[0] for d in notes] == ["frame 0 (f0)", "frame 1 (f1)"]
     # reports without a compile id (aot_function) all count

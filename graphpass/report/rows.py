@@ -154,7 +154,9 @@ class Report(SavedTotals):
             merged.decisions += replaced
             merged.notes += [str(d) for d in replaced]
             merged.meta["replaced_graphs"] = len(all_reports) - len(reports)
-        merged.meta.pop("compile_id", None)  # one graph's; the merged reports' are theirs
+        if len(reports) > 1:  # one graph's: the merged reports keep theirs
+            merged.meta.pop("compile_id", None)
+            merged.meta.pop("frame", None)
         return merged
 
     def to_dict(self) -> dict[str, Any]:
