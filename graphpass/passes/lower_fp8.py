@@ -61,11 +61,9 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                       "keep it in high precision") for f, how in heads.items() if asked}
     slower = _slower_in_fp8(plain, config, kept_heads)
     for lin in linears:
-        reason = why_not_lowered(lin, config)
         head = heads.get(lin.fprop)
-        if head and reason and reason.startswith("excluded by pattern"):
-            reason += f"; the output head ({head})"
-        reason = reason or kept_heads.get(lin.fprop) or slower.get(lin.fprop)
+        reason = (why_not_lowered(lin, config) or kept_heads.get(lin.fprop)
+                  or slower.get(lin.fprop))
         if reason:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)
             for node in (lin.fprop, lin.dgrad, lin.wgrad):

@@ -163,14 +163,15 @@ def assert_no_parameter_offloaded(report: Report | None) -> None:
 def assert_fp8_lowered(
     report: Report | None,
     *,
-    allowed: Sequence[str] = ("excluded by pattern *",),
+    allowed: Sequence[str] = ("excluded by pattern *", "the output head *"),
     model: nn.Module | None = None,
 ) -> None:
     """Every linear is lowered to FP8, or left in high precision for an allowed reason.
 
     Reads the FP8 pass's decisions (``lowered: <module> ...`` and
     ``not lowered: <module>: <reason>`` in the notes). ``allowed`` are fnmatch patterns of
-    reasons; with ``model``, every ``nn.Linear`` in it must have a decision, so a linear the pass
+    reasons (by default ``fp8_exclude``'s: a pattern, and the output head recognised from the
+    graph); with ``model``, every ``nn.Linear`` in it must have a decision, so a linear the pass
     never saw fails too.
     """
     __tracebackhide__ = True
