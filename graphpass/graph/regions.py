@@ -9,8 +9,10 @@ selects (docs/memory.md#how-selections-are-recognised):
 * a **norm** is its arithmetic: ``native_layer_norm``/``_fused_rms_norm``, or a reciprocal
   square root of a mean (of squares, or a variance) over its input, with the multiplications and
   additions that apply it and the norm's weights;
-* **attention** is an attention op (SDPA, flash, ...) or its decomposition: a GEMM of two
-  activations, a softmax, a GEMM of the probabilities with another activation;
+* **attention** is an attention op (SDPA, flash, ...) or attention written by hand, by its
+  arithmetic: a scores GEMM of two activations, then scaling, masking, extra logits (sinks) and
+  the row maximum subtracted, a softmax over one of the scores' dimensions, dropout, and a
+  values GEMM that contracts that dimension against another activation;
 * an **activation** is the elementwise chain from a GEMM's output to a GEMM's input that passes
   no norm and no attention (with fused projections only the chunks that feed the activation);
 * **experts** are GEMMs over a group dimension (batched 3-D or grouped with offsets); a chain
@@ -25,12 +27,15 @@ Module paths only name things in the report (and find the layers of ``full``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.fx as fx
 
+from .._compat import size_hint
 from ..paths import layer_of
-from .nodes import is_backward, module_path, op_name, producer, tensor_val
+from .nodes import is_backward, is_random, module_path, op_name, producer, tensor_val
 from .ops import CASTS, ELEMENTWISE, GEMM_OPS, LIBRARY_GEMMS, LINEAR_GEMMS, VIEWS
 
 QUANTIZE = "graphpass.quantize"
@@ -43,7 +48,10 @@ LOOKS_FOR = {
                  "of squares or a variance)",
     "act": "an elementwise chain between two dense GEMMs (an MLP activation)",
     "moe_act": "an elementwise chain between two grouped or batched expert GEMMs",
-    "core_attn": "an attention op (scaled_dot_product_attention) or GEMM, softmax, GEMM",
+    "core_attn": "an attention op (scaled_dot_product_attention) or attention written by hand: "
+                 "a GEMM of two activations, a softmax over its output (after scaling, masking "
+                 "or extra logits), and a GEMM that contracts the softmax's dimension with "
+                 "another activation",
     "mlp": "a dense MLP: GEMMs around an activation chain, outside an MoE",
     "moe": "an MoE: a router GEMM whose scores go to topk, and grouped or batched expert GEMMs",
     "shared_experts": "a shared expert: a branch added to an MoE's combined expert output",
@@ -104,6 +112,18 @@ def _is_dropout(node: fx.Node) -> bool:
         name == "getitem" and op_name(node.args[0]) == "aten.native_dropout" and node.args[1] == 0)
 
 
+def _constants(joint: fx.GraphModule) -> set[fx.Node]:
+    """Forward nodes computed from no graph input and no random draw (positions, masks from
+    them), and Inductor's per-graph seeds with what draws from them: recomputed, each gives
+    the same values."""
+    out: set[fx.Node] = set()
+    for node in forward_calls(joint):
+        if op_name(node) in _NO_MODULE_OPS or (
+                not is_random(node) and all(a in out for a in node.all_input_nodes)):
+            out.add(node)
+    return out
+
+
 def _param_like(node: fx.Node) -> bool:
     """A graph input (parameter, buffer, primal) or a constant, possibly viewed or cast."""
     while node.op == "call_function" and op_name(node) in VIEWS | CASTS:
@@ -131,6 +151,7 @@ class Regions:
         self.nodes = [n for n in forward_calls(joint) if op_name(n) not in _NO_MODULE_OPS]
         self._node_set = set(self.nodes)
         self._order = {n: i for i, n in enumerate(joint.graph.nodes)}
+        self._constant = _constants(joint)
         self.norm_list = self._norms()
         self.norms: set[fx.Node] = set().union(*(r for _, r in self.norm_list))
         self.attention = self._attention()
@@ -227,44 +248,82 @@ class Regions:
             if is_attention(node):
                 out.add(node)
                 out |= {u for u in self._users(node) if op_name(u) == "getitem"}
-            elif self._is_softmax(node):
-                out |= self._decomposed_attention(node)
+            else:
+                dim = _softmax_dim(node)
+                if dim is not None:
+                    out |= self._written_attention(node, dim)
         return out
 
-    def _is_softmax(self, node: fx.Node) -> bool:
-        name = op_name(node)
-        if name in _SOFTMAX:
-            return True
-        # exp(x - amax(x)) / sum(exp(...)), as Inductor decomposes it
-        return (name == "aten.div" and len(node.args) == 2 and isinstance(node.args[1], fx.Node)
-                and op_name(node.args[0]) == "aten.exp" and op_name(node.args[1]) == "aten.sum"
-                and node.args[1].args[0] is node.args[0])
-
-    def _decomposed_attention(self, softmax: fx.Node) -> set[fx.Node]:
-        """A GEMM of two activations, elementwise scaling and masking, the softmax, dropout, a
-        GEMM of the probabilities and an activation: all of it, or nothing (a router's softmax
-        goes to ``topk``)."""
-        through = ELEMENTWISE | VIEWS | {"aten.amax", "aten.sum", "aten.native_dropout", "aten.expand"}
-
-        def reach(step, start):
-            found, seen, todo = set(), set(), [start]
-            while todo:
-                for n in step(todo.pop()):
-                    if n in seen or n not in self._node_set:
-                        continue
-                    seen.add(n)
-                    if op_name(n) in _GEMMS:
-                        if not any(_param_like(a) for a in n.all_input_nodes):
-                            found.add(n)
-                    elif op_name(n) in through:
-                        todo.append(n)
-            return found
-
-        scores = reach(lambda n: n.all_input_nodes, softmax)
-        outputs = reach(self._users, softmax)
+    def _written_attention(self, softmax: fx.Node, dim: int) -> set[fx.Node]:
+        """Attention written by hand, found from its softmax over dimension ``dim``: a scores
+        GEMM of two activations whose output carries ``dim`` (not as its batch dimension) to
+        the softmax, through scaling, masking (``add``, ``where``, ``masked_fill``), soft-capping,
+        extra logits concatenated (sinks), the row maximum subtracted and casts; from the
+        softmax, through casts, dropout and the slice that drops the extra logits, a values GEMM
+        that contracts ``dim`` against another activation. All of it, with the views and copies
+        of the GEMMs' operands that only it reads, or nothing: a router's softmax goes to
+        ``topk``, and a softmax over the queries or the heads is contracted by no GEMM."""
+        scores = self._carriers(softmax, dim, up=True)
+        outputs = self._carriers(softmax, dim, up=False)
         if not scores or not outputs:
             return set()
-        return (self._descendants(scores) & self._ancestors(outputs)) | scores | outputs
+        region = (self._descendants(scores) & self._ancestors(outputs)) | scores | outputs
+        # every output of a multi-output op in it (the row maximum's indices, the dropout
+        # mask): torch's min-cut recomputes an op's outputs together or not at all
+        region |= {u for n in region if isinstance(n.meta.get("val"), (tuple, list))
+                   for u in self._users(n) if op_name(u) == "getitem"}
+        # the copies the GEMMs make of their operands (repeat_kv's of K and V for every query
+        # head, a cast up) with the views between them and the GEMM, where recomputing them
+        # from what they copy saves fewer bytes than saving them (not so for a copy of a slice
+        # of a larger tensor, whose storage the backward would keep whole)
+        for operand in (a for g in scores | outputs for a in _multiplied(g)):
+            chain, node = [], operand
+            while (node not in region and node in self._node_set and op_name(node) in _PREPARE
+                   and all(u in region or u in chain for u in self._users(node))):
+                chain.append(node)
+                node = node.args[0]
+            copies = [k for k, n in enumerate(chain) if op_name(n) in _COPIES]
+            upto, least = None, _nbytes(chain[copies[0]]) if copies else None
+            for k in copies:  # from the GEMM up: the copy whose source is smallest, the highest
+                source = _nbytes(chain[k].args[0], storage=True)
+                if least is not None and source is not None and source <= least:
+                    upto, least = k, source
+            if upto is not None:
+                region |= set(chain[:upto + 1])
+        # what it reads that no input of the graph and no random draw computes, and nothing
+        # else reads: a mask built from positions, a dropout mask drawn from Inductor's
+        # per-graph seeds (recomputed from the seeds, as Inductor's own recompute does)
+        todo = [a for n in region for a in n.all_input_nodes]
+        while todo:
+            n = todo.pop()
+            if (n not in region and n in self._constant and n in self._node_set
+                    and all(u in region for u in self._users(n))):
+                region.add(n)
+                todo.extend(n.all_input_nodes)
+        return region
+
+    def _carriers(self, softmax: fx.Node, dim: int, *, up: bool) -> set[fx.Node]:
+        """Up: the scores GEMMs whose output dimension the softmax's ``dim`` is; down: the
+        values GEMMs that contract it; followed through the ops that keep it a dimension of its
+        own (``_dim_pairs``)."""
+        found, seen, todo = set(), {(softmax, dim)}, [(softmax, dim)]
+        while todo:
+            node, d = todo.pop()
+            for nxt in (node.all_input_nodes if up else self._users(node)):
+                if nxt not in self._node_set:
+                    continue
+                if op_name(nxt) in _ATTENTION_GEMMS:
+                    if up and _scores_gemm(nxt, [i for i, o in _dim_pairs(node, nxt) if o == d]):
+                        found.add(nxt)
+                    if not up and _values_gemm(nxt, node, d):
+                        found.add(nxt)
+                    continue
+                pairs = _dim_pairs(node, nxt) if up else _dim_pairs(nxt, node)
+                for carried in ([i for i, o in pairs if o == d] if up else [o for i, o in pairs if i == d]):
+                    if (nxt, carried) not in seen:
+                        seen.add((nxt, carried))
+                        todo.append((nxt, carried))
+        return found
 
     # --- activation chains ---------------------------------------------------------------------
 
@@ -521,3 +580,115 @@ def _is_expert_gemm(node: fx.Node) -> bool:
         offs = node.kwargs.get("offs", node.args[9] if len(node.args) > 9 else None)
         return offs is not None
     return False
+
+
+# --- attention written by hand ----------------------------------------------------------------
+
+# The GEMMs of attention's scores and values: batched (heads in the batch), plain, or with an
+# additive bias (ALiBi as ``baddbmm``); their operands' positions.
+_ATTENTION_GEMMS = {"aten.bmm": (0, 1), "aten.mm": (0, 1), "aten.baddbmm": (1, 2)}
+# Ops that keep the softmax's dimension where it is, broadcasting their other operands (masks,
+# biases, scales): scaling, masking, soft-capping, casts, dropout, the softmax and its
+# decomposition, broadcasts.
+_KEEP_DIM = frozenset({
+    "aten.mul", "aten.add", "aten.sub", "aten.div", "aten.neg", "aten.exp", "aten.tanh",
+    "aten.where", "aten.masked_fill", "aten.clamp", "aten.clamp_min", "aten.clamp_max",
+    "aten.maximum", "aten.minimum", "aten.expand", "aten.clone", "aten.contiguous", "aten.alias",
+    "aten.native_dropout", "aten.slice", "aten.cat", *CASTS, *_SOFTMAX,
+})
+# Ops that move it: reshapes (followed by its size and what lies inside it), permutes.
+_RESHAPES = frozenset({"aten.view", "aten.reshape", "aten._unsafe_view", "aten.unsqueeze",
+                       "aten.squeeze"})
+# What a GEMM's operand goes through from Q, K or V: head views and transposes, and copies
+# (repeat_kv's, a batched matmul's of its expanded operands, casts).
+_COPIES = frozenset({*CASTS, "aten.clone", "aten.contiguous"})
+_PREPARE = frozenset({*VIEWS, *_COPIES})
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The shape of a node's tensor (of its output, for a dropout)."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)) and op_name(node) == "aten.native_dropout":
+        val = val[0]
+    if not isinstance(val, torch.Tensor):
+        return None
+    return tuple(size_hint(s, where=f"attention's dimensions at {node.name}") for s in val.shape)
+
+
+def _nbytes(node: fx.Node, *, storage: bool = False) -> int | None:
+    """A node's tensor's bytes, or its storage's (all of which a saved view of it keeps)."""
+    val = tensor_val(node)
+    if val is None or (storage and not torch._C._has_storage(val)):
+        return None
+    nbytes = val.untyped_storage().nbytes() if storage else val.numel() * val.element_size()
+    return size_hint(nbytes, where=f"attention's operand {node.name}")
+
+
+def _dim_pairs(node: fx.Node, src: fx.Node) -> list[tuple[int, int]]:
+    """(dimension of ``src``, dimension of ``node``'s output) for each dimension of its input
+    ``src`` that ``node`` keeps whole: not reduced, merged with another or broadcast from 1."""
+    name = op_name(node)
+    if name == "getitem" and not _is_dropout(node):
+        return []
+    i, o = _shape(src), _shape(node)
+    if i is None or o is None:
+        return []
+    if name == "getitem" or name in _KEEP_DIM:
+        if (name == "aten.cat" and src not in node.args[0]) or (
+                name == "aten.slice" and src is not node.args[0]):
+            return []
+        shift = len(o) - len(i)
+        return [(k, k + shift) for k in range(len(i))
+                if k + shift >= 0 and (i[k] == o[k + shift] or name in ("aten.cat", "aten.slice"))]
+    if name in _RESHAPES:  # the same size with the same number of elements inside it
+        return [(k, m) for k in range(len(i)) for m in range(len(o))
+                if i[k] == o[m] and math.prod(i[k + 1:]) == math.prod(o[m + 1:])]
+    if name == "aten.permute":
+        return [(p % len(o), m) for m, p in enumerate(node.args[1])]
+    if name in ("aten.transpose", "aten.t"):
+        a, b = (node.args[1] % len(o), node.args[2] % len(o)) if name == "aten.transpose" else (0, 1)
+        swap = {a: b, b: a}
+        return [(k, swap.get(k, k)) for k in range(len(o))] if len(o) >= 2 else [(0, 0)] * len(o)
+    if name == "aten.select":
+        at = node.args[1] % len(i)
+        return [(k, k - (k > at)) for k in range(len(i)) if k != at]
+    return []
+
+
+def _softmax_dim(node: fx.Node) -> int | None:
+    """The dimension a softmax normalises: ``_softmax``, ``softmax``, ``_safe_softmax`` or
+    ``exp(x) / sum(exp(x), dim, keepdim=True)`` (their decomposition); None for other ops."""
+    name = op_name(node)
+    if name in _SOFTMAX:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    elif (name == "aten.div" and len(node.args) == 2 and isinstance(node.args[1], fx.Node)
+            and op_name(node.args[0]) == "aten.exp" and op_name(node.args[1]) == "aten.sum"
+            and node.args[1].args[0] is node.args[0] and len(node.args[1].args) > 1
+            and isinstance(node.args[1].args[1], (list, tuple)) and len(node.args[1].args[1]) == 1):
+        dim = node.args[1].args[1][0]
+    else:
+        return None
+    shape = _shape(node)
+    return dim % len(shape) if shape and isinstance(dim, int) else None
+
+
+def _multiplied(gemm: fx.Node) -> list[fx.Node]:
+    """The two operands a GEMM multiplies (not the bias of ``baddbmm``)."""
+    return [gemm.args[p] for p in _ATTENTION_GEMMS[op_name(gemm)]]
+
+
+def _scores_gemm(gemm: fx.Node, dims: list[int]) -> bool:
+    """A GEMM of two activations, one of whose output dimensions ``dims`` is not its batch."""
+    batched = op_name(gemm) != "aten.mm"
+    return (not any(_param_like(a) for a in _multiplied(gemm))
+            and any(d >= (1 if batched else 0) for d in dims))
+
+
+def _values_gemm(gemm: fx.Node, operand: fx.Node, dim: int) -> bool:
+    """A GEMM of two activations that contracts dimension ``dim`` of its operand ``operand``:
+    the last of the left operand, the second last of the right one."""
+    a, b = _multiplied(gemm)
+    if any(_param_like(x) for x in (a, b)):
+        return False
+    rank = len(_shape(operand) or ())
+    return (operand is a and dim == rank - 1) or (operand is b and dim == rank - 2)
