@@ -1029,15 +1029,18 @@ def test_offsets_that_are_not_group_ends_are_a_clear_error(offs, why):
     """Offsets past the tokens made the recipe's gather fail deep in torch (an IndexError out of
     _quantize_groups_rowwise) and the grouped GEMMs read rows that are not there; decreasing or
     negative ones gave groups no grouped GEMM defines. Each is one ValueError naming graphpass,
-    the offsets and what is wrong, from the quantize and from the GEMM alike; offsets short of
-    the tokens (rows in no group) and empty groups are valid (``OFFSETS["ragged"]``)."""
+    the offsets and what is wrong, from the GEMM and from mxfp8's quantize (which loops over the
+    groups on the host); the other quantizes read nothing on the host and do not fail. Offsets
+    short of the tokens (rows in no group) and empty groups are valid (``OFFSETS["ragged"]``)."""
     offsets = torch.tensor(offs, dtype=torch.int32)
     message = rf"graphpass fp8: token group offsets \[.*\] are not group ends over 512 token rows: {why}"
     with pytest.raises(ValueError, match=message):
         ops.check_token_groups(offsets, T)
     x = torch.randn(T, K, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=message):
-        ops.quantize(x, "rowwise", "input", "both", offsets)
+        ops.quantize(x, "mxfp8", "input", "columnwise", offsets)
+    for recipe in ("rowwise", "tensorwise", "blockwise"):
+        ops.quantize(x, recipe, "input", "both", offsets)
     data, scale = ops.quantize(x, "tensorwise", "input", "rowwise",
                                torch.tensor(OFFSETS["aligned"], dtype=torch.int32))
     w = torch.randn(E, N, K, dtype=torch.bfloat16)
@@ -1048,14 +1051,15 @@ def test_offsets_that_are_not_group_ends_are_a_clear_error(offs, why):
     ops.check_token_groups(torch.tensor(OFFSETS["ragged"], dtype=torch.int32), T)  # valid
 
 
-@pytest.mark.parametrize("kernels", ["reference", "scaled_mm"])
-def test_a_compiled_step_with_offsets_past_the_tokens_raises_the_clear_error(kernels):
+@pytest.mark.parametrize("recipe, kernels", [("rowwise", "reference"), ("rowwise", "scaled_mm"),
+                                             ("mxfp8", "reference")])
+def test_a_compiled_step_with_offsets_past_the_tokens_raises_the_clear_error(recipe, kernels):
     """Under torch.compile the check runs in the step (the offsets are data): the user sees the
     ValueError itself, not torch's IndexError from inside the recipe."""
     torch.manual_seed(0)
     experts = TokenGroupedExperts(False)
     compiled = torch.compile(experts, backend=graphpass.backend(
-        codegen="eager", fp8="rowwise", kernels=kernels))
+        codegen="eager", fp8=recipe, kernels=kernels))
     x = torch.randn(T, K, dtype=torch.bfloat16, requires_grad=True)
     compiled(x, torch.tensor(OFFSETS["aligned"], dtype=torch.int32)).sum().backward()
     with pytest.raises(ValueError, match="the last \\(528\\) is past the 512 token rows"):

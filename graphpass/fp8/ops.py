@@ -141,6 +141,7 @@ def _quantize_groups(x: Tensor, recipe: str, role: str, columnwise: bool,
     block = scales.block
     if rec.scaling is recipes.Scaling.BLOCKWISE:
         return _quantize_groups_blockwise(x, recipe, role, offs, block)
+    check_token_groups(offs, t)  # the loop below reads them on the host
     data = torch.zeros((k, t) if columnwise else (t, k), dtype=dtype, device=x.device)
     scale = torch.full((k, grouped_scale_blocks(t, offs.shape[0], block)), rec.unit_scale,
                        device=x.device, dtype=rec.scale_dtype)
@@ -295,7 +296,9 @@ def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) ->
     scale = recipes.tensorwise_scale(amax, recipe, role)  # elementwise: one per (group, column)
     group, token, valid = providers.aligned_token_sources(offs, providers.aligned_tokens(t, groups))
     column_scale = torch.cat([scale, scale.new_ones((1, k))])[group]  # (P, K)
-    x32 = x[token].to(torch.float32)  # (P, K): the gather
+    # (P, K): the gather; offsets past the tokens (which the GEMM refuses: check_token_groups)
+    # would index past x
+    x32 = x[token.clamp(max=max(t - 1, 0))].to(torch.float32)
     data = recipes.scaled_cast(torch.where(valid[:, None], x32, 0.0), column_scale, recipe, role)
     return [data.t().contiguous(), recipes.reciprocal(scale)]
 
@@ -391,8 +394,12 @@ def check_token_groups(offs: Tensor, tokens: int) -> None:
     ``torch._grouped_mm`` reads them: 1-D, none negative, none decreasing, the last at most
     ``tokens`` (rows past it are in no group). Read on the host where they already are (a CPU
     tensor); on CUDA that would be a host sync every step, and they are not read (as torch's
-    own grouped GEMM does not). A group past the tokens would read rows that are not there: the
-    recipe's gather fails deep in torch and the grouped GEMMs read out of bounds."""
+    own grouped GEMM does not). A group past the tokens would read rows that are not there.
+
+    The GEMMs check (``fp8_gemm``: on the CPU they read the offsets on the host anyway), and so
+    does the quantize that loops over the groups on the host (mxfp8's columnwise copy); the
+    other quantizes read nothing on the host (the property that keeps them free of host syncs
+    on CUDA) and, given such offsets, compute copies no GEMM then takes."""
     if offs.device.type != "cpu" or offs.dim() != 1 or not offs.numel():
         return
     ends = offs.tolist()
@@ -414,8 +421,6 @@ def check_token_groups(offs: Tensor, tokens: int) -> None:
 
 def _quantize_op(x: Tensor, recipe: str, role: str, usage: str,
                  offs: Optional[Tensor] = None) -> list[Tensor]:
-    if offs is not None:
-        check_token_groups(offs, x.shape[0])
     # Run eagerly (codegen="eager", block recipes, quantizes Inductor leaves as one op), a
     # tensorwise pair from one amax: the columnwise copy is the rowwise one transposed, bit for
     # bit (same scale, elementwise cast), so one 1-byte transpose replaces a second amax and cast
