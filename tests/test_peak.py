@@ -367,11 +367,12 @@ def test_cpu_attention_backward_copies_a_heads_first_gradient(layout):
     assert _operand_copy(node) == (b * h * s * d * 4 if layout == "heads first" else 0)
 
 
-# --- the backward ordered for memory (order_backward) ------------------------------------------------
+# --- the backward ordered for memory (order_backward) -------------------------------------------
 
 def test_backward_order_moves_fused_reductions_beside_what_they_read():
-    """Worked out by hand on the graph of ``test_inductor_kernels_of_two_weight_gradient_reductions``
-    with the independent GEMM between the two reductions: Inductor runs the two sums as one
+    """Worked out by hand on the graph of
+    ``test_inductor_kernels_of_two_weight_gradient_reductions`` with the independent GEMM
+    between the two reductions: Inductor runs the two sums as one
     kernel after the ``addmm`` the second reads, so in torch's order the GEMM ``g`` waits for
     them. ``order_for_memory`` moves the first sum (and nothing it does not need) after the
     ``addmm`` and the second up beside it; ``g`` then runs in place. Same values, a valid graph,
