@@ -99,7 +99,8 @@ class GptOssEager(_Projections):
         combined_logits = combined_logits - combined_logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined_logits, dim=-1, dtype=combined_logits.dtype)
         scores = probs[..., :-1]  # we drop the sink here
-        attn_weights = nn.functional.dropout(scores, p=self.attention_dropout, training=self.training).to(value_states.dtype)
+        attn_weights = nn.functional.dropout(
+            scores, p=self.attention_dropout, training=self.training).to(value_states.dtype)
         attn_output = torch.matmul(attn_weights, value_states)
         return attn_output.transpose(1, 2).contiguous()
 
@@ -112,8 +113,8 @@ class Gpt2Attn(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(DIM, 3 * DIM)
         self.c_proj = nn.Linear(DIM, DIM)
-        self.register_buffer("bias", torch.tril(torch.ones((SEQ, SEQ), dtype=torch.bool)).view(1, 1, SEQ, SEQ),
-                             persistent=False)
+        causal = torch.tril(torch.ones((SEQ, SEQ), dtype=torch.bool)).view(1, 1, SEQ, SEQ)
+        self.register_buffer("bias", causal, persistent=False)
         self.attn_dropout = nn.Dropout(dropout)
 
     def _attn(self, query, key, value):
@@ -445,9 +446,9 @@ def test_what_is_not_attention_is_not_selected(case):
 def test_gpt_oss_from_transformers():
     """A tiny random GPT-OSS from transformers with its eager attention (sinks): ``core_attn``
     selects the attention of its one layer, sinks, row maximum and slice included (and the
-    causal mask the model builds, which only that layer reads), with no EmptySelectionWarning; the saved tensors of the attention module are Q, K and V (K and V
-    with their KV heads), none of sequence x sequence; under FP8 its bmm GEMMs stay high
-    precision with their note."""
+    causal mask the model builds, which only that layer reads), with no EmptySelectionWarning;
+    the saved tensors of the attention module are Q, K and V (K and V with their KV heads),
+    none of sequence x sequence; under FP8 its bmm GEMMs stay high precision with their note."""
     transformers = pytest.importorskip("transformers")
     seq = 24  # not the head dimension, so shapes tell Q/K/V from scores
     cfg = transformers.GptOssConfig(
@@ -478,7 +479,8 @@ def test_gpt_oss_from_transformers():
         "prims.iota", "aten.add", "aten.unsqueeze", "aten.le", "aten.expand", "aten.where",
         "aten.full", "aten.scalar_tensor"}
     ops = _ops(attention)
-    assert ops[("aten.bmm", (BATCH * HEADS, seq, seq))] == 1 and ops[("aten.bmm", (BATCH * HEADS, seq, HEAD))] == 1
+    assert ops[("aten.bmm", (BATCH * HEADS, seq, seq))] == 1  # the scores
+    assert ops[("aten.bmm", (BATCH * HEADS, seq, HEAD))] == 1  # the values
     assert ops[("aten.cat", (BATCH, HEADS, seq, seq + 1))] == 1  # the sinks
     assert ops[("aten.max", ())] == 1 and ops[("aten.slice", (BATCH, HEADS, seq, seq))] == 1
     saved = collections.Counter(r.shape for r in report.rows
