@@ -88,13 +88,16 @@ class Config:
     within one FP8 ulp of the opaque op's (docs/fp8.md#exactness). ``False`` keeps each quantize
     one opaque op, for debugging."""
 
-    order_backward: bool = True
+    order_backward: bool | None = None
     """With ``codegen="inductor"``: after the partition, each group of reductions Inductor runs
     as one kernel (a layer's norm weight gradients) moves beside the last buffer they read, so
     the weight-gradient quantizes and GEMMs between them run beside their data gradients instead
     of waiting for the group, which would keep their inputs alive through the attention backward
     (a report note says what moved; docs/memory.md#order_backward). Nodes move, no op
-    changes: gradients are bit-identical either way. ``False`` keeps torch's order."""
+    changes: gradients are bit-identical either way. ``None`` (the default): on for graphs
+    that run on CUDA, whose kernel schedule the step-peak model follows, off on the CPU, where
+    Inductor's C++ code fuses those reductions differently and the move can raise the peak;
+    ``True`` everywhere; ``False`` keeps torch's order."""
 
     fp8_all_gather: bool = True
     """With ``fp8="tensorwise"`` under sequence parallelism: quantize each rank's shard before the
@@ -266,7 +269,7 @@ class Config:
             )
         _type("report", self.report, bool)
         _type("fuse_quantize", self.fuse_quantize, bool)
-        _type("order_backward", self.order_backward, bool)
+        _type("order_backward", self.order_backward, (bool, type(None)))
         if self.fp8_pow2_scales is not None:
             _type("fp8_pow2_scales", self.fp8_pow2_scales, bool)
         _type("fp8_all_gather", self.fp8_all_gather, bool)
@@ -411,13 +414,14 @@ def _combinations(config: Config) -> None:
                              f"{needed}; set that too, or leave {name} unset")
 
 
-def _type(name: str, value: Any, typ: type) -> None:
+def _type(name: str, value: Any, typ: type | tuple[type, ...]) -> None:
     if typ is int and isinstance(value, bool):  # True is an int to Python, not a count
         raise ValueError(f"invalid graphpass option {name}={value!r}; expected an int")
     if not isinstance(value, typ):
         raise ValueError(
-            f"invalid graphpass option {name}={value!r}; expected a {typ.__name__}"
-        )
+            f"invalid graphpass option {name}={value!r}; expected "
+            + " or ".join("None" if t is type(None) else f"a {t.__name__}"
+                          for t in (typ if isinstance(typ, tuple) else (typ,))))
 
 
 __all__ = ["Config"]

@@ -75,7 +75,8 @@ def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan
             if not _compat.min_cut_failure(e):
                 raise
             raise PartitionError(_failure(names, config, e, dumps.directory)) from e
-    if config.codegen == "inductor" and config.order_backward:
+    ordered = config.order_backward if config.order_backward is not None else on_cuda
+    if config.codegen == "inductor" and ordered:
         bw.meta[_ORDERED] = order_for_memory(bw)  # every partition: the peak predicted follows
     return fw, bw
 
