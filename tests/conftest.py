@@ -34,6 +34,17 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
                               // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: CPU kernels that split a sum over threads (embedding's
+    backward scatter-adds the rows of a repeated token) give bits that vary from run to run on
+    more than one, and a bit-identity test must compare plans, not thread schedules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

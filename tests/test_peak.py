@@ -134,7 +134,7 @@ def _built(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt", "deepseek", "hf llama", "mixtral"])
-def test_a_budget_between_the_smallest_and_the_unbudgeted_peak_is_met(name):
+def test_a_budget_between_the_smallest_and_the_unbudgeted_peak_is_met(name, one_thread):
     """Halfway from the smallest peak graphpass reaches (the ValueError of a 1-byte budget names
     it) to the unbudgeted one: predicted and measured within the budget, gradients bit-identical
     to the unbudgeted plan's, every choice a decision in the report."""
