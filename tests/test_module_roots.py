@@ -248,3 +248,22 @@ def test_the_output_head_is_recognised_from_the_graph(model, args, head, how):
 def test_a_projection_no_wider_than_its_input_is_no_head():
     lowered, not_lowered = _fp8(_compile_step(Logits(out=2 * D), IDS))
     assert lowered == {"block.up", "block.down", "proj"} and not not_lowered
+
+
+class RowParallelOut(nn.Module):
+    """A block's output projection wider than its input, as a row-parallel shard is under tensor
+    parallelism (o_proj's heads / TP columns in, the hidden size out: 8 K at TP 8), adding into
+    the residual stream: not a head, whatever its width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Linear(D, D // 4)
+        self.o_proj = nn.Linear(D // 4, D)
+
+    def forward(self, x):
+        return x + self.o_proj(self.down(x).relu())
+
+
+def test_a_wide_projection_into_the_residual_stream_is_no_head():
+    lowered, not_lowered = _fp8(_compile_step(RowParallelOut(), torch.randn(32, D)))
+    assert lowered == {"down", "o_proj"} and not not_lowered

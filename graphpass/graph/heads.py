@@ -10,9 +10,11 @@ reductions and the loss itself only), and which is one of:
   classifier's ``classifier``), whatever its width;
 - at least ``WIDER`` times as wide as its input (N >= 4 K): a vocabulary projection, whether
   the graph returns its logits (for a loss computed outside) or computes another loss from
-  them. No projection inside a
-  transformer block has both: an MLP's up-projection (2.7-4 K) reaches its down-projection, a
-  GEMM, before any output, and a block's output projections are no wider than their inputs.
+  them, the way there also passing no residual sum (an add of two activations of its shape)
+  and no collective. No projection inside a transformer block has both: an MLP's
+  up-projection (2.7-4 K) reaches its down-projection, a GEMM, before any output, and a block's
+  output projections, which can be wider than their inputs (a row-parallel o_proj's shard under
+  tensor parallelism: 8 K at TP 8), add into the residual stream, most after a reduce-scatter.
 
 The FP8 lowering keeps such a head in high precision while ``fp8_exclude`` asks for the output
 head by its names (``HEAD_PATTERNS``), so the head stays high precision however the model is
@@ -58,7 +60,7 @@ def output_heads(linears: list[Linear]) -> dict[fx.Node, str]:
     for lin in linears:
         if lin.offs is not None or lin.w.meta["val"].dim() != 2:
             continue
-        loss, output = _reaches(lin.fprop)
+        loss, output = _reaches(lin.fprop, _barrier)[0], _reaches(lin.fprop, _block_output)[1]
         w = lin.w.meta["val"]
         n, k = (w.shape[-1], w.shape[-2]) if lin.stored_kn else (w.shape[-2], w.shape[-1])
         if loss:
@@ -69,9 +71,22 @@ def output_heads(linears: list[Linear]) -> dict[fx.Node, str]:
     return heads
 
 
-def _reaches(start: fx.Node) -> tuple[bool, bool]:
+def _block_output(node: fx.Node) -> bool:
+    """A GEMM, attention, a collective, or a residual sum: an add of two activations of one
+    shape (a bias, broadcast, is not one; a loss's difference from its target is a
+    subtraction)."""
+    if _barrier(node) or "c10d" in op_name(node):
+        return True
+    if op_name(node) != "aten.add":
+        return False
+    shapes = [getattr(a.meta.get("val"), "shape", None) for a in node.args[:2]
+              if isinstance(a, fx.Node)]
+    return len(shapes) == 2 and shapes[0] is not None and shapes[0] == shapes[1]
+
+
+def _reaches(start: fx.Node, barrier) -> tuple[bool, bool]:
     """Whether the forward ops after ``start`` reach a log-softmax, and the graph's output,
-    without passing a GEMM or attention."""
+    without passing a node ``barrier`` stops at."""
     seen, todo = {start}, [start]
     loss = output = False
     while todo:
@@ -80,7 +95,7 @@ def _reaches(start: fx.Node) -> tuple[bool, bool]:
             if user.op == "output":
                 output = True
                 continue
-            if user in seen or is_backward(user) or _barrier(user):
+            if user in seen or is_backward(user) or barrier(user):
                 continue
             loss = loss or _log_sum_exp(user)
             seen.add(user)
