@@ -1,7 +1,8 @@
 """FP8 quantization recipes in pure torch, bit-exact with Transformer Engine (TE) 2.20.
 
-Numerics follow /work/shared/reference/transformer-engine.md §5 ("Recipe numerics") and the TE
-kernels it cites; layouts follow §1. Everything here is plain tensor arithmetic: it runs on any
+Numerics follow Transformer Engine's quantize kernels (``transformer_engine/common``: the
+current-scaling, block-scaling and MXFP8 cast kernels and their scale computation); layouts
+follow TE's row- and column-wise ``Float8Tensor`` storages. Everything here is plain tensor arithmetic: it runs on any
 device and on meta/fake tensors, never reads a tensor value on the host, and its output shapes
 depend on input shapes only, so it can be traced by torch.compile.
 
