@@ -17,10 +17,9 @@ Inductor's code also allocates far less than the graph shows: an elementwise nod
 fp32 upcast, each op of a decomposed SiLU backward) is computed inside the kernels that read it
 and is never a buffer; elementwise nodes that read the same buffers run as one kernel; a kernel
 writes its result into a dying input of the same size. Under ``runtime="inductor"`` the walk
-runs the graphs that way (``inductor_kernels``, from Inductor's own op tables). Read as-is, the
-graphs of a bf16 Llama layer predicted 54% above the peak Inductor's code reached on the CPU (and
-45% above the H100's for Llama-3-8B); with the model the CPU prediction is exact to a few bytes
-for the Llama and GPT examples.
+runs the graphs that way (``inductor_kernels``, from Inductor's own op tables): read as-is,
+the graphs of a bf16 Llama layer hold every fp32 upcast a fused kernel never writes; with the
+model the CPU prediction is exact to a few bytes for the Llama and GPT examples.
 
 The walk also follows what Inductor does beyond fusion. Its kernels run in the order Inductor's
 scheduler gives a fused node: reductions of the same sizes that read a common buffer are one
@@ -28,11 +27,12 @@ kernel, run where the first stood, after what the later ones read, and the kerne
 that it does not need run after it (two norms' weight gradients reading the layer's input move
 past the attention backward, the layer's weight-gradient GEMMs after them, keeping their
 inputs alive; ``order_backward``, ``graph/backward_order.py``, moves such groups where nothing
-waits for them, from ``fused_reductions``, before this walk reads the graph). A GEMM plus a tensor is one ``addmm``. A buffer Inductor's code frees is kept
+waits for them, from ``fused_reductions``, before this walk reads the graph). A GEMM plus a
+tensor is one ``addmm``. A buffer Inductor's code frees is kept
 for a later allocation of its dtype and size where Inductor's wrapper keeps it (its reuse pool,
 bounded by Inductor's own peak estimate, which this walk reproduces). And the CPU attention
 backward's copy of an output gradient in (batch, heads, sequence, dim) order is counted while
-it runs. With these the DeepSeek example (5.9% under before) is 262,404 B under the allocator's
+it runs. With these the DeepSeek example is 262,404 B under the allocator's
 peak, 0.9% at one layer and 0.5% at two (torch 2.13 and 2.15): that kernel's per-thread buffers,
 inside the op (262,400 B on one thread), which no graph shows (docs/memory.md, "Under
 Inductor"). The reuse pool follows 2.13's estimate; 2.11's is lower, and there the one-layer
