@@ -32,11 +32,11 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None,
     meta is one meant for an accelerator, so ``order_backward``'s default orders its backward
     as on CUDA. Graph breaks give one report per graph, merged.
     """
-    config = _for_the_accelerator(given(config), module, example_inputs, example_kwargs)
     if not isinstance(module, nn.Module):
         raise ValueError(f"graphpass.plan takes an nn.Module, not {type(module).__name__}; wrap a "
                          "function in a module, or trace it with graphpass.partition "
                          "(docs/traced-graphs.md)")
+    config = _for_the_accelerator(given(config), module, example_inputs, example_kwargs)
     mode = _compat.fake_tensor_mode()
     with mode:
         fake_module = _to_fake(module)
