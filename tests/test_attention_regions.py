@@ -64,16 +64,22 @@ class _Projections(nn.Module):
         out = self.attend(q, k, v, _causal_additive(x.dtype) if self.built_mask else self.mask.to(x.dtype))
         return x + self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
 
-
-class LlamaEager(_Projections):
-    """transformers' ``eager_attention_forward`` of Llama: softmax in fp32, then cast back."""
-
-    def attend(self, query, key, value, attention_mask):
+    def masked_scores(self, query, key, value, attention_mask):
+        """The lines transformers' ``eager_attention_forward`` of Llama and GPT-OSS share: KV
+        heads repeated, scaled scores, the additive mask."""
         key_states = _repeat_kv(key, self.num_key_value_groups)
         value_states = _repeat_kv(value, self.num_key_value_groups)
         attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * self.scaling
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
+        return attn_weights, value_states
+
+
+class LlamaEager(_Projections):
+    """transformers' ``eager_attention_forward`` of Llama: softmax in fp32, then cast back."""
+
+    def attend(self, query, key, value, attention_mask):
+        attn_weights, value_states = self.masked_scores(query, key, value, attention_mask)
         attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
         attn_weights = nn.functional.dropout(attn_weights, p=self.attention_dropout, training=self.training)
         attn_output = torch.matmul(attn_weights, value_states)
@@ -89,11 +95,7 @@ class GptOssEager(_Projections):
         self.sinks = nn.Parameter(torch.randn(HEADS))
 
     def attend(self, query, key, value, attention_mask):
-        key_states = _repeat_kv(key, self.num_key_value_groups)
-        value_states = _repeat_kv(value, self.num_key_value_groups)
-        attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * self.scaling
-        if attention_mask is not None:
-            attn_weights = attn_weights + attention_mask
+        attn_weights, value_states = self.masked_scores(query, key, value, attention_mask)
         sinks = self.sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
         combined_logits = torch.cat([attn_weights, sinks], dim=-1)
         combined_logits = combined_logits - combined_logits.max(dim=-1, keepdim=True).values
