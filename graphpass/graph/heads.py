@@ -58,14 +58,14 @@ def output_heads(linears: list[Linear]) -> dict[fx.Node, str]:
     graph shows it (for the report's note)."""
     heads = {}
     for lin in linears:
-        if lin.offs is not None or lin.w.meta["val"].dim() != 2:
-            continue
-        loss, output = _reaches(lin.fprop, _barrier)[0], _reaches(lin.fprop, _block_output)[1]
         w = lin.w.meta["val"]
+        if lin.offs is not None or w.dim() != 2:
+            continue
         n, k = (w.shape[-1], w.shape[-2]) if lin.stored_kn else (w.shape[-2], w.shape[-1])
-        if loss:
+        if _reaches(lin.fprop, _barrier)[0]:
             heads[lin.fprop] = "from the graph: the logits of a log-softmax, through no other GEMM"
-        elif output and isinstance(n, int) and isinstance(k, int) and n >= WIDER * k:
+        elif (isinstance(n, int) and isinstance(k, int) and n >= WIDER * k
+              and _reaches(lin.fprop, _block_output)[1]):
             heads[lin.fprop] = (f"from the graph: a graph output through no other GEMM, {n} "
                                 f"columns from {k}")
     return heads
