@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                            else ["-"] * 4), result.note]
                 lines.append("| " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
+                if prof is not None:  # in the log at once: a stage cut by its timeout keeps it
+                    print("\n".join(f"    {ms:.3f} ms/step, {calls:g} calls: {name}"
+                                     for ms, calls, name in prof.top), flush=True)
     lines += ["", "## Top kernels of the FP8 rowwise steps", ""]
     for case in cases(args.dry_run, args.cases):
         prof = profiles.get((case.label, ROWWISE))

@@ -19,14 +19,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-moe_check}"
 source benchmarks/_gpu_stages.sh
-stage pytest_kernels 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_quantize.py \
+stage pytest_kernels 50 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_quantize.py \
     tests/test_triton_grouped.py
-stage kernels 90 python3 benchmarks/quantize_kernels.py --sections experts grouped
-stage experts 160 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
+stage kernels 70 python3 benchmarks/quantize_kernels.py --sections experts grouped
+stage experts 190 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
     --configs rowwise torchao --micro-batches 1 4 --out "$out/experts.md"
-stage deepseek 140 python3 benchmarks/experts_fp8.py --cases deepseek --configs rowwise \
+stage deepseek 150 python3 benchmarks/experts_fp8.py --cases deepseek --configs rowwise \
     --micro-batches 1 4 --out "$out/deepseek.md"
-stage pytest_gpu 50 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_rowwise.py \
+stage pytest_gpu 40 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_rowwise.py \
     tests/test_fp8_experts.py tests/test_weight_cache.py tests/test_fp8_recipes.py
 cat "$out/machine.txt" "$out/stages.txt"
 grep -hE "^- |^\| (experts|DeepSeek)" "$out/experts.md" "$out/deepseek.md" 2>/dev/null
