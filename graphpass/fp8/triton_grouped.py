@@ -226,9 +226,9 @@ if triton is not None:
                          mask=has_row[:, None] & k_in[None, :])
             scale = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
             for g in range(g_lo, g_hi + 1):  # the groups of this block's columns
-                amax = tl.load(col_amax_ptr + g * K + k, mask=k_in, other=0).to(tl.float32,
-                                                                                 bitcast=True)
-                s, _ = _scales(amax, FP8_MAX, EPS, POW2)
+                g_amax = tl.load(col_amax_ptr + g * K + k, mask=k_in, other=0).to(tl.float32,
+                                                                                   bitcast=True)
+                s, _ = _scales(g_amax, FP8_MAX, EPS, POW2)
                 scale = tl.where((group == g)[:, None], s[None, :], scale)
             xt = tl.where(in_group[:, None], x, 0.0)  # padding and past the end: +0 bytes
             qt = tl.trans(_fp8_bits(xt, scale, FP8_MAX, E5M2, CAST))
@@ -238,9 +238,9 @@ if triton is not None:
             for k0 in range(k_start, k_end, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_in = k < K
-                amax = tl.load(col_amax_ptr + g * K + k, mask=k_in, other=0).to(tl.float32,
-                                                                                 bitcast=True)
-                _, s_inv = _scales(amax, FP8_MAX, EPS, POW2)
+                g_amax = tl.load(col_amax_ptr + g * K + k, mask=k_in, other=0).to(tl.float32,
+                                                                                   bitcast=True)
+                _, s_inv = _scales(g_amax, FP8_MAX, EPS, POW2)
                 tl.store(st_ptr + g * K + k, s_inv, mask=k_in)
 
 

@@ -1,0 +1,167 @@
+"""graphpass's Triton kernels compile for Hopper (sm_90) on a machine without a GPU.
+
+Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests of test_triton_quantize.py and
+test_triton_grouped.py) runs a kernel as Python: it checks the arithmetic but not what Triton's
+compiler refuses. On an H200 `_cast_kernel` of triton_grouped.py failed to compile ("Loop-carried
+variable amax has initial type <['64'], fp32> but is re-assigned to <['128'], fp32>") while every
+interpreter test passed. Here each kernel launch the quantize functions make, for the variants
+they launch (rows, columns or both; bf16, fp16 and fp32 inputs; E4M3 and E5M2; power-of-2
+scales; the CUDA fp8 cast by PTX), is recorded instead of run and compiled by
+``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` down to a cubin, with the ptxas Triton's wheel
+carries: the same compiler passes as on the GPU machine, without one.
+"""
+
+from __future__ import annotations
+
+import time
+from unittest import mock
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from graphpass.fp8 import recipes, triton_grouped as tg, triton_quantize as tq  # noqa: E402
+
+_POINTER = {torch.int16: "*i16", torch.int32: "*i32", torch.uint8: "*u8", torch.float32: "*fp32",
+            torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the
+    launch instead of running it."""
+
+    def __init__(self, fn, launches: list) -> None:
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+def _source(fn, args: tuple, kwargs: dict) -> tuple[object, dict]:
+    """The ``ASTSource`` of one recorded launch (argument types from the values passed, as
+    Triton's launcher derives them) and its compile options (num_warps, enable_fp_fusion)."""
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kwargs.items() if k in names})
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    signature, constants = {}, {}
+    for name, param in zip(names, fn.params):
+        value = values[name]
+        if param.is_constexpr or value is None:
+            signature[name], constants[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _POINTER[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} = {value!r} of no Triton type")
+    return ASTSource(fn, signature, constants), options
+
+
+def _launches(call) -> list:
+    """The kernel launches ``call()`` makes, as on a CUDA tensor of an sm_90 GPU: the
+    interpreter off, every kernel recorded rather than run, the fp8 cast by PTX."""
+    launches: list = []
+    kernels = [(tq, "_amax_kernel"), (tq, "_cast_kernel"), (tq, "_rows_kernel"),
+               (tg, "_amax_kernel"), (tg, "_cast_kernel")]
+    with mock.patch.object(tq, "_interpreted", lambda: False), \
+            mock.patch.object(tq, "available", lambda x: None), \
+            mock.patch.object(tg, "available", lambda x: None), \
+            mock.patch.object(tq, "_cast_mode", lambda x, cfg: "ptx"):
+        patches = [mock.patch.object(m, name, _Recorder(getattr(m, name), launches))
+                   for m, name in kernels]
+        for p in patches:
+            p.start()
+        try:
+            call()
+        finally:
+            for p in patches:
+                p.stop()
+    return launches
+
+
+def _variants() -> list[tuple[str, object]]:
+    """(id, call) for every variant of the weight and token-grouped quantizes."""
+    out = []
+    offs = torch.tensor([10, 10, 40, 90], dtype=torch.int32)  # an empty group, rows past the end
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for fp8, pow2 in ((recipes.E4M3, True), (recipes.E5M2, False)):
+            name = f"{str(dtype)[6:]}-{str(fp8)[6:]}-{'pow2' if pow2 else 'exact'}"
+            common = dict(fp8_dtype=fp8, fp8_max=torch.finfo(fp8).max, power_2_scales=pow2,
+                          amax_epsilon=0.0)
+            weights = torch.randn(2, 48, 80, dtype=dtype)
+            tokens = torch.randn(100, 80, dtype=dtype)
+            for rows, cols in ((True, True), (True, False), (False, True)):
+                which = "both" if rows and cols else "rows" if rows else "cols"
+                out.append((f"experts-{which}-{name}", lambda w=weights, r=rows, c=cols, kw=common:
+                            tq.quantize_experts_rowwise(w, rows=r, cols=c, **kw)))
+                out.append((f"groups-{which}-{name}", lambda x=tokens, r=rows, c=cols, kw=common:
+                            tg.quantize_groups_rowwise(x, offs, rows=r, cols=c, **kw)))
+    return out
+
+
+def _compile_all() -> dict[str, list[str]]:
+    """Each distinct launch of every variant compiled for sm_90: {variant id: failures}."""
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    compiled: dict[str, str | None] = {}  # one compile per distinct source and options
+    failures: dict[str, list[str]] = {}
+    for vid, call in _variants():
+        failures[vid] = []
+        for fn, args, kwargs in _launches(call):
+            src, options = _source(fn, args, kwargs)
+            key = f"{src.hash()}-{sorted(options.items())}"
+            if key not in compiled:
+                try:
+                    kernel = triton.compile(src, target=target, options=options)
+                    compiled[key] = None if "cubin" in kernel.asm else "no cubin came out"
+                except Exception as e:  # the compiler's refusal, reported per variant
+                    compiled[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
+            if compiled[key] is not None:
+                failures[vid].append(f"{fn.__name__}: {compiled[key]}")
+    return failures
+
+
+@pytest.fixture(scope="module")
+def compile_results():
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"this triton has no ASTSource/GPUTarget compile entry: {e}")
+    if tq._interpreted():
+        pytest.skip("TRITON_INTERPRET=1 replaces triton.jit: the kernels are not compilable")
+    start = time.monotonic()
+    results = _compile_all()
+    print(f"compiled graphpass's Triton kernels for sm_90 in {time.monotonic() - start:.1f} s")
+    return results
+
+
+@pytest.mark.parametrize("variant", [vid for vid, _ in _variants()])
+def test_kernels_compile_for_sm90(compile_results, variant):
+    assert compile_results[variant] == [], "\n".join(compile_results[variant])
+
+
+def test_a_kernel_the_compiler_refuses_is_reported(compile_results):
+    """The check can fail: a kernel whose loop changes a carried variable's shape is refused."""
+    from triton.backends.compiler import GPUTarget
+    import triton.language as tl
+
+    @triton.jit
+    def bad(x_ptr, N, B: tl.constexpr):
+        acc = tl.zeros([B], dtype=tl.float32)
+        for i in range(0, N):
+            acc = tl.zeros([2 * B], dtype=tl.float32) + tl.load(x_ptr + i)
+        tl.store(x_ptr + tl.arange(0, B), tl.sum(acc, axis=0))
+
+    src, options = _source(bad, (torch.empty(4), 4), {"B": 16})
+    with pytest.raises(Exception, match="Loop-carried variable"):
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
