@@ -24,11 +24,13 @@ and it judges no target. ``--cases`` picks some of ``experts_8k experts_32k deep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -67,9 +69,14 @@ def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[
     return [c for c in every if c.key in keys]
 
 
+INDUCTOR_TOKENS = "inductor_token_quantize"  # a benchmark switch, not a graphpass option
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
     ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
+    # the same with the token-grouped quantizes left to Inductor's fusion of the recipe instead
+    # of graphpass's Triton kernels (triton_grouped.py): what the kernels gain, in one run
+    ("FP8 rowwise/scaled_mm, Inductor token quantize",
+     {"fp8": "rowwise", "kernels": "scaled_mm", INDUCTOR_TOKENS: True}),
     ("FP8 tensorwise e4m3/scaled_mm", {"fp8": "tensorwise", "fp8_format": "e4m3",
                                        "kernels": "scaled_mm"}),
     ("FP8 tensorwise/scaled_mm", {"fp8": "tensorwise", "kernels": "scaled_mm"}),
@@ -126,8 +133,18 @@ def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
 
 def run(case: Case, options: dict[str, object], device: torch.device, codegen: str, steps: int,
         warmup: int, with_profile: bool, micro: int = 1) -> tuple[Result, Profile | None]:
-    result = Result(case.label, "")
     options = dict(options)
+    with contextlib.ExitStack() as stack:
+        if options.pop(INDUCTOR_TOKENS, False):
+            stack.enter_context(mock.patch.object(graphpass.fp8.ops, "uses_triton_group_kernel",
+                                                  lambda *args: False))
+        return _run(case, options, device, codegen, steps, warmup, with_profile, micro)
+
+
+def _run(case: Case, options: dict[str, object], device: torch.device, codegen: str,
+         steps: int, warmup: int, with_profile: bool, micro: int
+         ) -> tuple[Result, Profile | None]:
+    result = Result(case.label, "")
     if micro > 1 and options.get("fp8") and not options.get("torchao_moe"):
         options["fp8_weight_cache"] = True
     torch._dynamo.reset()

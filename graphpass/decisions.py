@@ -29,6 +29,7 @@ class What(enum.Enum):
     KERNELS = "kernels: {why}"
     GROUPED_GEMMS = "grouped gemms: {module}: {why}"
     WEIGHT_QUANTIZE = "weight quantize: {module}: {why}"
+    TOKEN_QUANTIZE = "token-grouped quantize: {module}: {why}"
     FUSE_QUANTIZE_OFF = "fuse_quantize: off: {why}"
     FP8_COPY = "fp8 copy ({why})"
     FP8_DISTRIBUTED = "fp8 under {why}"

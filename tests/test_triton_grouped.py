@@ -189,6 +189,57 @@ def ragged_offs(t: int, groups: int, seed: int) -> list[int]:
     return torch.cumsum(sizes, 0).tolist()
 
 
+def _fake_cuda(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+def test_which_grouped_quantizes_the_kernels_run():
+    """The kernels run a token-grouped quantize under a rowwise recipe of a contiguous 2-D CUDA
+    tensor with int32 group ends (checked on fake CUDA tensors, which need no GPU); anything
+    else says why not and keeps the torch code (Inductor's fusion of it)."""
+    pytest.importorskip("triton")
+    x, offs = _fake_cuda(64, 32), _fake_cuda(4, dtype=torch.int32)
+    assert ops.why_not_triton_group_kernel(x, "rowwise", offs) is None
+    assert ops.why_not_triton_group_kernel(x, "rowwise_pow2", offs) is None
+    cpu = torch.zeros(64, 32, dtype=torch.bfloat16)
+    refusals = {
+        "tensorwise scales are not rowwise": (x, "tensorwise", offs),
+        "blockwise scales are not rowwise": (x, "blockwise", offs),
+        "the tokens are on cpu": (cpu, "rowwise", torch.zeros(4, dtype=torch.int32)),
+        "the tokens are not contiguous": (_fake_cuda(32, 64).t(), "rowwise", offs),
+        "the tokens are 3-D": (_fake_cuda(2, 64, 32), "rowwise", offs),
+        "their dtype is torch.float8_e4m3fn": (_fake_cuda(64, 32, dtype=torch.float8_e4m3fn),
+                                              "rowwise", offs),
+        "the group ends are torch.int64": (x, "rowwise", _fake_cuda(4, dtype=torch.int64)),
+        "past 2**31 elements": (_fake_cuda(2**20, 2**11), "rowwise", offs),
+    }
+    for why, args in refusals.items():
+        got = ops.why_not_triton_group_kernel(*args)
+        assert got is not None and why in got, (why, got)
+
+
+def test_inductor_leaves_the_kernels_quantize_as_one_op():
+    """``inductor.triton_group_quantize``, the pattern pass's exclusion: True for a rowwise
+    grouped quantize of CUDA tokens (the op runs the kernels), False where Inductor inlines the
+    recipe (another recipe, CPU tokens)."""
+    pytest.importorskip("triton")
+    from graphpass.fp8 import inductor
+
+    def node(x: torch.Tensor, recipe: str, offs: torch.Tensor):
+        graph = torch.fx.Graph()
+        xn, on = graph.placeholder("x"), graph.placeholder("offs")
+        xn.meta["val"], on.meta["val"] = x, offs
+        return graph.call_function(ops.QUANTIZE, (xn, recipe, "input", "both", on))
+
+    x, offs = _fake_cuda(64, 32), _fake_cuda(4, dtype=torch.int32)
+    assert inductor.triton_group_quantize(node(x, "rowwise", offs))
+    assert not inductor.triton_group_quantize(node(x, "tensorwise", offs))
+    assert not inductor.triton_group_quantize(
+        node(torch.zeros(64, 32), "rowwise", torch.zeros(4, dtype=torch.int32)))
+
+
 GPU_SHAPES = [(8192, 7168, 16), (8192 - 37, 2048 + 16, 16), (4099, 1040, 64)]
 GPU_RECIPES = [("rowwise", "input"), ("rowwise_pow2", "grad"), ("tensorwise", "grad")]
 

@@ -26,7 +26,7 @@ def _experts_model():
 
 def _grad_out(x: torch.Tensor, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(x.shape, generator=g).to(x.dtype)
+    return torch.randn(x.shape, generator=g).to(device=x.device, dtype=x.dtype)
 
 
 def _accumulate(compiled, x, offs, step: int) -> None:

@@ -14,7 +14,10 @@ scale is local to its row (one reduction along it). A blockwise scale is local t
 block or 128x128 tile (``_fused_blockwise``). Quantizes over token groups (offsets: an expert
 GEMM's operands) are device ops without a host sync (each token's group, or its block within
 the group, from the offsets; rowwise's per-(group, column) amaxes reduced over row chunks, the
-tensorwise groups' and the blockwise blocks' amaxes one scatter-max), so they are inlined too. Every mxfp8 quantize stays one op (``fusion_notes`` says so in the report).
+tensorwise groups' and the blockwise blocks' amaxes one scatter-max), so they are inlined too.
+Two rowwise quantizes stay one op on CUDA, run by graphpass's Triton kernels: the expert weights'
+(``triton_weight_quantize``) and the token groups' (``triton_group_quantize``). Every mxfp8
+quantize stays one op (``fusion_notes`` says so in the report).
 
 Numerics. Fusing is a speed decision, held to a bound, not to the opaque op's bits: each
 dequantized FP8 value of a fused quantize is within one FP8 ulp of the opaque op's (the bound the
@@ -91,8 +94,10 @@ def _patterns() -> Any:
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
                         pm.KeywordArg("role"), pm.KeywordArg("usage"), pm.KeywordArg("offs")),
         # over token groups: per-row, per-(group, column), per-group or per-block scales, each
-        # token's from the offsets on the device, no host sync
-        extra_check=lambda match: inlinable(match.kwargs["recipe"]),
+        # token's from the offsets on the device, no host sync; graphpass's Triton kernels run
+        # the rowwise ones on CUDA
+        extra_check=lambda match: inlinable(match.kwargs["recipe"])
+        and not triton_group_quantize(match.output_node()),
         pass_dict=patterns,
     )
     def _inline_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
@@ -113,6 +118,19 @@ def triton_weight_quantize(node: fx.Node) -> bool:
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     return (isinstance(val, torch.Tensor) and recipes.get_recipe(node.args[1]).per_row
             and ops.uses_triton_weight_kernel(val))
+
+
+def triton_group_quantize(node: fx.Node) -> bool:
+    """Whether ``node`` (a ``graphpass::quantize`` over token groups) is one that graphpass's
+    Triton kernels run (``ops.uses_triton_group_kernel``: rowwise, on CUDA): left as the op, not
+    inlined. The kernels read the tokens twice for both copies and write the columnwise one
+    straight into the 16-aligned layout; Inductor's code of the recipe reads them about four
+    times, its transposed stores strided."""
+    x, offs = node.args[0], node.args[4]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    offs_val = offs.meta.get("val") if isinstance(offs, fx.Node) else None
+    return (isinstance(val, torch.Tensor) and isinstance(offs_val, torch.Tensor)
+            and ops.uses_triton_group_kernel(val, node.args[1], offs_val))
 
 
 def fused_quantize(x: torch.Tensor, recipe: str, role: str, usage: str) -> list[torch.Tensor]:

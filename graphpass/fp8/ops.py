@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from . import providers, recipes, triton_quantize
+from . import providers, recipes, triton_grouped, triton_quantize
 
 
 USAGES = ("rowwise", "columnwise", "both")
@@ -35,6 +35,8 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str,
     if usage not in USAGES:
         raise ValueError(f"unknown quantize usage {usage!r}; valid usages are {USAGES}")
     if offs is not None:
+        if uses_triton_group_kernel(x, recipe, offs):
+            return triton_grouped.quantize_groups_rowwise_for(x, recipe, role, usage, offs)
         out = []
         for columnwise in _COLUMNWISE[usage]:
             out += _quantize_groups(x, recipe, role, columnwise, offs)
@@ -268,6 +270,37 @@ def why_not_triton_weight_kernel(x: Tensor) -> str | None:
         return "the weight is not contiguous"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"its dtype is {x.dtype}"
+    return triton_quantize.available(x)
+
+
+def uses_triton_group_kernel(x: Tensor, recipe: recipes.Recipe | str, offs: Tensor) -> bool:
+    """Whether a quantize of token-grouped ``x`` (group ends ``offs``) under ``recipe`` runs
+    graphpass's Triton kernels (``triton_grouped``)."""
+    return why_not_triton_group_kernel(x, recipe, offs) is None
+
+
+def why_not_triton_group_kernel(x: Tensor, recipe: recipes.Recipe | str,
+                                offs: Tensor) -> str | None:
+    """None where a token-grouped quantize of ``x`` runs graphpass's Triton kernels
+    (``triton_grouped``: both copies from two reads of x, the columnwise one written straight
+    into the 16-aligned token layout): a rowwise recipe, a contiguous 2-D CUDA tensor of a
+    dtype they take, int32 group ends on its device, copies that int32 indexes, triton
+    installed. Else why not, in a few words."""
+    if not recipes.as_recipe(recipe).per_row:
+        return f"{recipes.as_recipe(recipe).name} scales are not rowwise"
+    if x.device.type != "cuda":
+        return f"the tokens are on {x.device.type}"
+    if x.dim() != 2:
+        return f"the tokens are {x.dim()}-D, not (tokens, features)"
+    if not x.is_contiguous():
+        return "the tokens are not contiguous"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"their dtype is {x.dtype}"
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
+        return f"the group ends are {offs.dtype} {tuple(offs.shape)} on {offs.device}"
+    t, k = x.shape
+    if k * max(t, providers.aligned_tokens(t, offs.shape[0])) >= 2**31:
+        return f"({t}, {k}) tokens: a copy past 2**31 elements, which the kernels index in int32"
     return triton_quantize.available(x)
 
 

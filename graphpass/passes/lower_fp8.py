@@ -92,6 +92,9 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         if recipe.per_row and w.dim() == 3 and device.type == "cuda":
             plan.decide(Decision(What.WEIGHT_QUANTIZE, "fp8", _weight_kernel(w), lin.module),
                         once=True)
+        if recipe.per_row and lin.offs is not None and device.type == "cuda":
+            plan.decide(Decision(What.TOKEN_QUANTIZE, "fp8", _token_kernel(
+                lin.x.meta["val"], recipe, lin.offs.meta["val"]), lin.module), once=True)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
     for gemm in gemms.gemms(joint):
         if gemm.reason is not None:
@@ -228,6 +231,16 @@ def _weight_kernel(w: torch.Tensor) -> str:
                 "one read of the weight)")
     return (f"Inductor's fused code, not graphpass's Triton kernels: {why} (the same bits, one "
             "more read of the weight per copy)")
+
+
+def _token_kernel(x: torch.Tensor, recipe: recipes.Recipe, offs: torch.Tensor) -> str:
+    """What quantizes a rowwise expert GEMM's token-grouped operands on CUDA: graphpass's Triton
+    kernels, or why Inductor's fused code of the recipe does instead (the same bits)."""
+    why = ops.why_not_triton_group_kernel(x, recipe, offs)
+    if why is None:
+        return ("graphpass's Triton kernels (fp8/triton_grouped.py: both copies from two reads of "
+                "the tokens, the wgrad copy written straight into the 16-aligned token layout)")
+    return f"Inductor's fused code, not graphpass's Triton kernels: {why} (the same bits)"
 
 
 def why_not_lowered(lin: Linear, config: Config) -> str | None:
