@@ -138,6 +138,11 @@ def run(case: Case, options: dict[str, object], device: torch.device, codegen: s
         if options.pop(INDUCTOR_TOKENS, False):
             stack.enter_context(mock.patch.object(graphpass.fp8.ops, "uses_triton_group_kernel",
                                                   lambda *args: False))
+            # the compiled graphs differ by that switch alone, which no cache key sees: a
+            # cached graph of the kernels' config would come back (on an H200 it did, its
+            # quantizes then run as eager torch code)
+            stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+            stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
         return _run(case, options, device, codegen, steps, warmup, with_profile, micro)
 
 

@@ -164,8 +164,8 @@ def grouped(shapes: list[tuple[int, int, int]], recipe: str, device: str, bench)
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for t, k, groups in shapes:
         torch._dynamo.reset()
-        reference = ops._quantize if bench is None else torch.compile(
-            lambda x, offs: ops._quantize(x, recipe, "input", "both", offs), dynamic=False)
+        reference = ops.groups_torch if bench is None else torch.compile(
+            lambda x, offs: ops.groups_torch(x, recipe, "input", "both", offs), dynamic=False)
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn((t, k), generator=gen, device=device, dtype=torch.bfloat16)
         offs = group_ends(t, groups, device)
@@ -177,7 +177,7 @@ def grouped(shapes: list[tuple[int, int, int]], recipe: str, device: str, bench)
             return reference(x, offs) if bench is not None else reference(
                 x, recipe, "input", "both", offs)
 
-        same = identical(ours(), ops._quantize(x, recipe, "input", "both", offs)) \
+        same = identical(ours(), ops.groups_torch(x, recipe, "input", "both", offs)) \
             if x.numel() <= EAGER_CHECK_LIMIT else "-"
         floor = x.numel() * 2 * (x.element_size() + 1)
         print_row(f"| {t}x{k}x{groups} |", ours, theirs, floor, same, bench)
@@ -211,7 +211,7 @@ def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
     t, k, groups = shape
     x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
     offs = group_ends(t, groups, "cuda")
-    eager = ops._quantize(x, recipe, "input", "both", offs)
+    eager = ops.groups_torch(x, recipe, "input", "both", offs)
     print(f"grouped tile configurations, {t}x{k}x{groups}:")
     print("| config | both ms | identical |")
     print("| --- | ---: | --- |")

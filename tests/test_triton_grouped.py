@@ -89,10 +89,12 @@ def make_grouped(t: int, k: int, offs: list[int], dtype: str, inputs: str, seed:
 
 def reference(x: torch.Tensor, recipe: recipes.Recipe, role: str, usage: str,
               offs: torch.Tensor) -> list[torch.Tensor]:
-    """``ops._quantize(x, recipe, role, usage, offs)`` for a rowwise recipe; for another
-    recipe's parameters (E5M2), the same functions it calls under the rowwise recipe."""
+    """The torch code of a grouped quantize (``ops.groups_torch``: what ``ops._quantize(x,
+    recipe, role, usage, offs)`` runs where the kernels do not, CUDA included) for a rowwise
+    recipe; for another recipe's parameters (E5M2), the same functions it calls under the
+    rowwise recipe."""
     if recipes.is_rowwise(recipe):
-        return ops._quantize(x, recipe, role, usage, offs)
+        return ops.groups_torch(x, recipe, role, usage, offs)
     out: list[torch.Tensor] = []
     if usage != "columnwise":
         out += recipes.rowwise_quantize(x.to(torch.float32), recipe, role)

@@ -103,7 +103,7 @@ def _patterns() -> Any:
     def _inline_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
                        offs: fx.Node) -> None:
         match.replace_by_example(
-            lambda x, offs: ops._quantize(_stored(x), recipe, role, usage, offs), [x, offs])
+            lambda x, offs: ops.groups_torch(_stored(x), recipe, role, usage, offs), [x, offs])
 
     return patterns
 

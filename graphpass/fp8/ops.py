@@ -37,10 +37,7 @@ def _quantize(x: Tensor, recipe: str, role: str, usage: str,
     if offs is not None:
         if uses_triton_group_kernel(x, recipe, offs):
             return triton_grouped.quantize_groups_rowwise_for(x, recipe, role, usage, offs)
-        out = []
-        for columnwise in _COLUMNWISE[usage]:
-            out += _quantize_groups(x, recipe, role, columnwise, offs)
-        return out
+        return groups_torch(x, recipe, role, usage, offs)
     if x.dim() == 3:
         # A group of matrices (one per MoE expert): each quantized on its own, so every scale,
         # tensorwise ones included, belongs to one expert (as in TE's GroupedLinear).
@@ -271,6 +268,17 @@ def why_not_triton_weight_kernel(x: Tensor) -> str | None:
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"its dtype is {x.dtype}"
     return triton_quantize.available(x)
+
+
+def groups_torch(x: Tensor, recipe: recipes.Recipe | str, role: str, usage: str,
+                 offs: Tensor) -> list[Tensor]:
+    """The recipe's torch code for token-grouped (T, K) ``x`` (``_quantize_groups`` per copy),
+    whatever the device: what Inductor inlines, and the reference ``triton_grouped``'s kernels
+    are held to."""
+    out = []
+    for columnwise in _COLUMNWISE[usage]:
+        out += _quantize_groups(x, recipe, role, columnwise, offs)
+    return out
 
 
 def uses_triton_group_kernel(x: Tensor, recipe: recipes.Recipe | str, offs: Tensor) -> bool:
