@@ -21,7 +21,7 @@
 # archived), dist/ (the archive: the one thing to carry). Re-running reuses the venv and the
 # compiled wheel (rm -rf .te-bundle/build/wheels to recompile). The compile is ~8 min on 2 idle
 # cores, 74 min on 2 busy ones (MAX_JOBS, default 2). Each step prints its time; the script fails when the archive is over
-# MAX_MIB (40), when a shared object needs a GLIBC newer than MAX_GLIBC (2.28) or a libstdc++
+# MAX_MIB (40), when a shared object needs a GLIBC newer than MAX_GLIBC (2.39) or a libstdc++
 # newer than MAX_GLIBCXX (3.4.30), or when a TE dist-info is not the TE version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,12 +33,12 @@ CUDA_MAJOR=13
 CUDA_TOOLKIT=13.0.2     # torch 2.11.0's own cuda-toolkit pin: the build's extra headers match it
 ARCHS=${ARCHS:-90}      # SM architectures whose code the core library keeps
 MAX_MIB=${MAX_MIB:-40}  # the device tool carries at most 64 MiB; leave room for the rest
-# What the compiled extension may need of the GPU machine's system libraries: glibc 2.28 (the
-# core wheel's own manylinux_2_28 tag), and libstdc++'s symbols of GCC 12 (Debian 12, Ubuntu
-# 22.04; the GPU image's Python 3.12.3 is Ubuntu 24.04's, whose libstdc++ is newer).
-# Compiled on Debian 12 (glibc 2.36) the extension needs GLIBC_2.34 (dlopen, dlsym, pthread_once
-# moved into libc): MAX_GLIBC=2.34 accepts it, for a GPU image whose glibc is 2.34 or newer.
-MAX_GLIBC=${MAX_GLIBC:-2.28}
+# What the compiled extension may need of the GPU machine's system libraries: the GPU image's
+# glibc, 2.39 (Ubuntu 24.04; `platform.platform()` there reads "with-glibc2.39"), and libstdc++'s
+# symbols of GCC 12 (Debian 12, Ubuntu 22.04; Ubuntu 24.04's libstdc++ is newer). Compiled on
+# Debian 12 (glibc 2.36) the extension needs GLIBC_2.34 (dlopen, dlsym, pthread_once moved into
+# libc); MAX_GLIBC=2.28 holds it to the core wheel's own manylinux_2_28 tag.
+MAX_GLIBC=${MAX_GLIBC:-2.39}
 MAX_GLIBCXX=${MAX_GLIBCXX:-3.4.30}
 # Import-time dependencies of transformer_engine that the GPU image does not have.
 PYDANTIC=2.14.4
