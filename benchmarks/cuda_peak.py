@@ -1,0 +1,286 @@
+"""The step peak of Inductor's CUDA code, on a machine without a GPU.
+
+    PYTHONPATH=. python benchmarks/cuda_peak.py --model llama --size real --fp8 tensorwise
+    PYTHONPATH=. python benchmarks/cuda_peak.py --model llama --size real --fp8 tensorwise \
+        --order-backward off --live 15
+
+Needs a CUDA build of torch (the PyPI wheels of torch 2.11 and 2.15 are; the CPU wheel of 2.13 is
+not) and triton; no GPU, driver or CUDA runtime is touched. graphpass.plan partitions the
+example's forward and backward (on CPU fake tensors, as plan always does); each graph is then
+compiled by Inductor for an sm_90 device (the graphpass backend's own Inductor settings:
+the quantize inlining, exact division) into its CUDA wrapper, the Python code that allocates,
+frees and reuses every buffer of the step. That wrapper then runs on fake CUDA tensors with every
+Triton kernel a no-op, under torch's MemTracker: the allocations and frees are Inductor's own
+schedule for CUDA, not a model of it. The step peak above weights, inputs and gradients is what
+``benchmarks/gpu_report.py`` measures as "step peak" with ``torch.cuda.max_memory_allocated``
+(the outputs held through the backward, the output gradients counted as inputs); the activations
+after the forward are what it measures as "measured activations".
+``--live N`` lists the N largest tensors the wrapper holds where the peak is reached.
+
+What it leaves out: kernels' own workspaces (cuBLAS, cuDNN) and the caching allocator's
+rounding (blocks of 512 B, 2 MiB segments); the attention op is the one the CPU trace picks
+(``_scaled_dot_product_flash_attention_for_cpu``), whose saved outputs have the CUDA kernels'
+shapes (the output and a float32 logsumexp). Measured on an H200 (torch 2.11, the Llama-3-8B
+layer at seq 8192, graphpass FP8 tensorwise): 1.34 GiB with and without ``order_backward``;
+this script gives 1,393 and 1,377 MiB (docs/numbers.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Callable
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.fx as fx  # noqa: E402
+
+import graphpass  # noqa: E402
+
+
+def available() -> str | None:
+    """None where this machine can generate Inductor's CUDA code, else why not."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build (Inductor's CUDA code needs a CUDA build)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+class _NoKernel:
+    """A Triton kernel that does nothing: its buffers' sizes are all the peak needs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getitem__(self, grid: Any) -> "_NoKernel":
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def precompile(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _Allocations:
+    """The wrapper's allocations, seen through its ``empty_strided_cuda``: at each one, what
+    MemTracker holds and the wrapper frame that asks."""
+
+    def __init__(self) -> None:
+        self.tracker: Any = None
+        self.peak = (-1, None, {})  # (bytes held, "file:line", the frame's live tensors)
+        self.live = 0
+
+    def empty_strided(self, size, stride, dtype):
+        if self.tracker is not None:
+            held = sum(d.get("Total", 0) for d in self.tracker.get_tracker_snapshot("current")
+                       .values())
+            if held > self.peak[0]:
+                frame = sys._getframe(1)
+                tensors = {k: v for k, v in frame.f_locals.items()
+                           if isinstance(v, torch.Tensor)} if self.live else {}
+                self.peak = (held, f"{frame.f_code.co_filename}:{frame.f_lineno}", tensors)
+        return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+def _sm90_patches(allocations: _Allocations) -> list:
+    """What lets Inductor generate and run its CUDA code without a GPU: an sm_90 device's
+    properties, no CUDA runtime calls, every Triton kernel a no-op."""
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    device = DeviceProperties(type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
+                              regs_per_multiprocessor=65536,
+                              max_threads_per_multi_processor=2048, max_threads_per_block=1024,
+                              warp_size=32)
+    props = type("Props", (), dict(name="NVIDIA H200 (no GPU: cuda_peak.py)", major=9, minor=0,
+                                   multi_processor_count=132, total_memory=140 << 30,
+                                   warp_size=32, max_threads_per_multi_processor=2048,
+                                   regs_per_multiprocessor=65536, L2_cache_size=60 << 20,
+                                   gcnArchName=""))()
+    return [
+        mock.patch.object(DeviceProperties, "create", classmethod(lambda cls, d: device)),
+        mock.patch("torch.cuda._lazy_init", lambda: None),
+        mock.patch("torch.cuda.is_available", lambda: True),
+        mock.patch("torch.cuda.get_device_properties", lambda *a, **k: props),
+        mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)),
+        mock.patch("torch.cuda.device_count", lambda: 1),
+        mock.patch("torch.cuda.current_device", lambda: 0),
+        mock.patch("torch.cuda.set_device", lambda d: None),
+        mock.patch("torch.cuda._exchange_device", lambda d: 0),
+        mock.patch("torch.cuda._maybe_exchange_device", lambda d: 0),
+        mock.patch("torch.cuda.synchronize", lambda *a: None),
+        mock.patch("torch.cuda.get_rng_state", lambda *a, **k: torch.zeros(16, dtype=torch.uint8)),
+        mock.patch("torch.cuda.set_rng_state", lambda *a, **k: None),
+        mock.patch("torch.cuda._DeviceGuard", lambda d: contextlib.nullcontext()),
+        mock.patch("torch._subclasses.fake_tensor.init_gpu_context", lambda d: None),
+        mock.patch("torch._inductor.scheduler.has_triton", lambda *a: True),
+        mock.patch("torch.utils._triton.has_triton", lambda *a: True),
+        mock.patch("torch.utils._triton.triton_hash_with_backend", lambda: "no-gpu"),
+        mock.patch("torch.utils._triton.triton_backend", lambda: None),
+        mock.patch("torch._inductor.async_compile.AsyncCompile.triton",
+                   lambda self, *a, **k: _NoKernel()),
+        mock.patch("torch._C._dynamo.guards._empty_strided_cuda", allocations.empty_strided),
+        mock.patch("torch._C._dynamo.guards._reinterpret_tensor",
+                   lambda t, size, stride, offset=0: t.as_strided(
+                       size, stride, t.storage_offset() + offset)),
+        mock.patch("torch._C._cuda_getCurrentRawStream", lambda d: 0),
+    ]
+
+
+def partitioned(model_name: str, size: str, layers: int, options: dict[str, Any]
+                ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward graphs graphpass.plan partitions for the example."""
+    backend_module = importlib.import_module("graphpass.backend")
+    graphs: list = []
+    real: Callable = backend_module.run
+
+    def capturing(*args: Any, **kwargs: Any):
+        out = real(*args, **kwargs)
+        graphs.append(out)
+        return out
+
+    example = importlib.import_module(f"examples.{model_name}")
+    model, inputs = example.build(size, layers=layers, device="meta", dtype=torch.bfloat16)
+    with mock.patch.object(backend_module, "run", capturing):
+        graphpass.plan(model, *inputs, config=graphpass.Config(**options))
+    if len(graphs) != 1:
+        raise SystemExit(f"cuda_peak.py: {len(graphs)} graphs (a graph break?); one expected")
+    return graphs[0][0], graphs[0][1]
+
+
+def _on_cuda(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its factory ops' CPU devices made CUDA."""
+    def fix(a: Any) -> Any:
+        return torch.device("cuda", 0) if isinstance(a, torch.device) and a.type == "cpu" else a
+
+    for node in gm.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, fix)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+    gm.recompile()
+    return gm
+
+
+def _storage_bytes(tensors) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+            seen.add(t.untyped_storage()._cdata)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: int = 1,
+                   live: int = 0) -> dict[str, Any]:
+    """The step's peak as Inductor's CUDA code allocates it: ``total`` (everything), ``above``
+    (less weights, inputs and gradients), ``where`` (the wrapper line of the peak) and, with
+    ``live``, the largest tensors the wrapper holds there."""
+    why = available()
+    if why is not None:
+        raise SystemExit(f"cuda_peak.py: {why}")
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    fw, bw = partitioned(model_name, size, layers, options)
+    allocations = _Allocations()
+    allocations.live = live
+    mode = FakeTensorMode()
+
+    def fakes(gm: fx.GraphModule) -> list:
+        vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+        with mode:
+            return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+                    if isinstance(v, torch.Tensor) else v for v in vals]
+
+    tangent_count = sum(n.name.startswith("tangents")
+                        for n in bw.graph.find_nodes(op="placeholder"))
+    with contextlib.ExitStack() as stack:
+        for patch in _sm90_patches(allocations):
+            stack.enter_context(patch)
+        inductor_config = importlib.import_module("torch._inductor.config")
+        stack.enter_context(inductor_config.patch(fx_graph_cache=False, compile_threads=1))
+        fw_in = fakes(fw)
+        patches = {k: v for k, v in graphpass.backend(**options)._inductor_patches(fw_in).items()
+                   if k != "custom_partitioner_fn"}
+        with inductor_config.patch(patches):
+            forward = compile_fx_inner(_on_cuda(fw), fw_in)
+            bw_in = fakes(bw)
+            backward = compile_fx_inner(_on_cuda(bw), bw_in, is_backward=True)
+        saved_count = len(bw_in) - tangent_count
+        with mode:
+            tracker = MemTracker()
+            tracker.track_external(*[x for x in fw_in if isinstance(x, torch.Tensor)])
+            with tracker:
+                allocations.tracker = tracker
+                outs = forward(list(fw_in))
+                saved = outs[len(outs) - saved_count:]
+                held = sum(d.get("Total", 0)
+                           for d in tracker.get_tracker_snapshot("current").values())
+                # what the forward created and the backward keeps: the saved tensors (a saved
+                # model input excepted: it existed before the step, as in the GPU measurement)
+                activations = held - _storage_bytes(fw_in) - _storage_bytes(
+                    [t for t in outs[:len(outs) - saved_count]
+                     if _storage_bytes([t]) and not any(
+                         t.untyped_storage()._cdata == s.untyped_storage()._cdata
+                         for s in saved if isinstance(s, torch.Tensor))])
+                # the outputs live on through the backward (``out.backward(grad)``), as in the GPU
+                # measurement; the output gradients were allocated before it (not tracked)
+                user = outs[:len(outs) - saved_count]
+                del outs
+                grads = backward(list(saved) + bw_in[saved_count:])
+                del saved, user
+                allocations.tracker = None
+            total = sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+    held, where, tensors = allocations.peak
+    base = _storage_bytes(fw_in) + _storage_bytes(grads)
+    largest = sorted(((t.untyped_storage().nbytes(), name, tuple(t.shape), str(t.dtype)[6:])
+                      for name, t in tensors.items()), reverse=True)[:live]
+    return {"total": total, "above": total - base, "base": base, "where": where,
+            "largest": largest, "activations": activations}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama", choices=("llama", "gpt", "deepseek"))
+    p.add_argument("--size", default="real")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--fp8", default="tensorwise", help="a recipe, or bf16")
+    p.add_argument("--kernels", default="scaled_mm")
+    p.add_argument("--order-backward", choices=("on", "off"), default="on")
+    p.add_argument("--memory", default=None,
+                   help="graphpass's memory option; 'default' is torch's own partitioner, what "
+                        "plain torch.compile saves")
+    p.add_argument("--live", type=int, default=0, help="list the N largest tensors at the peak")
+    args = p.parse_args(argv)
+    options: dict[str, Any] = {"order_backward": args.order_backward == "on"}
+    if args.memory:
+        options["memory"] = args.memory
+    if args.fp8 != "bf16":
+        options.update(fp8=args.fp8, kernels=args.kernels)
+    got = cuda_step_peak(args.model, args.size, options, args.layers, args.live)
+    print(f"{args.model} {args.size}, {args.layers} layer(s), {args.fp8}, order_backward "
+          f"{args.order_backward}, torch {torch.__version__}: step peak {got['total']:,} B, "
+          f"{got['above'] / 2**20:.2f} MiB above weights, inputs and gradients "
+          f"({got['base']:,} B); activations after the forward {got['activations']:,} B")
+    if args.live:
+        print(f"at {got['where']}:")
+        for nbytes, name, shape, dtype in got["largest"]:
+            print(f"  {nbytes / 2**20:9.2f} MiB  {name}  {shape} {dtype}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
