@@ -75,8 +75,7 @@ def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan
             if not _compat.min_cut_failure(e):
                 raise
             raise PartitionError(_failure(names, config, e, dumps.directory)) from e
-    ordered = config.order_backward if config.order_backward is not None else on_cuda
-    if config.codegen == "inductor" and ordered:
+    if config.codegen == "inductor" and config.order_backward:
         bw.meta[_ORDERED] = order_for_memory(bw)  # every partition: the peak predicted follows
     return fw, bw
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import torch
@@ -28,15 +27,14 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None,
     fake tensors of the same shape, dtype, strides and ``requires_grad`` (the caller's module is
     untouched), so a Llama-3-8B layer at sequence 8192 plans in seconds on a laptop CPU. Tensors
     on the meta device are planned as CPU tensors: meta has no fused attention kernel, and its
-    math-path attention would save a seq x seq matrix that no real device saves; a model on
-    meta is one meant for an accelerator, so ``order_backward``'s default orders its backward
-    as on CUDA. Graph breaks give one report per graph, merged.
+    math-path attention would save a seq x seq matrix that no real device saves. Graph breaks
+    give one report per graph, merged.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"graphpass.plan takes an nn.Module, not {type(module).__name__}; wrap a "
                          "function in a module, or trace it with graphpass.partition "
                          "(docs/traced-graphs.md)")
-    config = _for_the_accelerator(given(config), module, example_inputs, example_kwargs)
+    config = given(config)
     mode = _compat.fake_tensor_mode()
     with mode:
         fake_module = _to_fake(module)
@@ -65,16 +63,6 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None,
             "inference graph that saves nothing for backward"
         ])
     return Report.merge(reports)
-
-
-def _for_the_accelerator(config: Config, module: nn.Module, args: Any, kwargs: Any) -> Config:
-    """``config`` with ``order_backward=True`` where its default would order a CUDA graph and
-    the model is on meta (planned as CPU tensors, meant for an accelerator)."""
-    tensors = [*module.parameters(), *module.buffers(), *args, *kwargs.values()]
-    on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
-    if on_meta and config.order_backward is None and config.codegen == "inductor":
-        return dataclasses.replace(config, order_backward=True)
-    return config
 
 
 def _partition_error(error: BaseException) -> PartitionError | None:

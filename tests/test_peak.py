@@ -410,17 +410,18 @@ def test_backward_order_moves_fused_reductions_beside_what_they_read():
     assert order_for_memory(gm) == []  # nothing waits any more
 
 
-def test_plan_of_a_model_on_meta_orders_the_backward_as_on_cuda():
-    """``order_backward``'s default orders CUDA graphs only; a model on meta is planned as CPU
-    tensors but meant for an accelerator, so its plan orders as on CUDA, and the same model on
-    the CPU is planned in torch's order unless asked."""
+def test_order_backward_is_off_unless_asked():
+    """``order_backward`` moves nodes only when asked, on a model on meta (meant for an
+    accelerator) as on the CPU: Inductor's CUDA scheduler already keeps those weight gradients
+    beside their data gradients, and the C++ code measured slower with the move."""
     def notes(device, **options):
         model, inputs = llama.build("tiny", device=device)
         report = graphpass.plan(model, *inputs, config=graphpass.Config(**options))
         return [n for n in report.notes if n.startswith("order_backward:")]
 
-    assert notes("meta") and notes("meta") == notes("cpu", order_backward=True)
-    assert notes("cpu") == [] and notes("meta", order_backward=False) == []
+    assert notes("meta") == [] and notes("cpu") == []
+    assert notes("meta", order_backward=True) and notes("meta", order_backward=True) == notes(
+        "cpu", order_backward=True)
 
 
 def test_backward_order_lowers_the_peak_inductors_code_reaches():
