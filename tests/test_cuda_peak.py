@@ -6,7 +6,6 @@ measured equal to it (docs/numbers.md): the CUDA wrapper's allocations must give
 for FP8 and for bf16 under torch's own partitioner. The step peak must hold at least those
 activations and what the backward adds."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,16 +13,13 @@ import pytest
 import torch
 
 import graphpass
+from _benchmarks import load
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("cuda_peak", ROOT / "benchmarks" / "cuda_peak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cuda_peak"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load("cuda_peak")
 
 
 def _planned_activations(options):

@@ -1,23 +1,15 @@
 """benchmarks/gpu_report.py's CPU dry run: the script the GPU machine runs cannot rot between
 loans. Same code path as on the GPU (tiny sizes, reference kernels, aot_eager for Inductor)."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from _benchmarks import load
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "benchmarks" / "gpu_report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_report"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load("gpu_report")
 
 
 def test_dry_run_writes_every_section(tmp_path):
@@ -84,11 +76,7 @@ def test_without_cuda_the_gpu_run_names_the_dry_run():
 
 
 def _load_experts():
-    spec = importlib.util.spec_from_file_location("experts_fp8", ROOT / "benchmarks" / "experts_fp8.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["experts_fp8"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load("experts_fp8")
 
 
 def test_experts_benchmark_dry_run(tmp_path):

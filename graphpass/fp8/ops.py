@@ -259,15 +259,23 @@ def uses_triton_weight_kernel(x: Tensor) -> bool:
 def why_not_triton_weight_kernel(x: Tensor) -> str | None:
     """None where a rowwise quantize of expert weights ``x`` runs graphpass's Triton kernels (a
     contiguous 3-D CUDA tensor of a dtype they take, with triton installed), else why not."""
+    return _why_not_triton_tensor(x, 3, "the weight is", "its", "a stack of expert matrices") \
+        or triton_quantize.available(x)
+
+
+def _why_not_triton_tensor(x: Tensor, dim: int, subject: str, its: str,
+                           shape: str) -> str | None:
+    """Why graphpass's Triton kernels cannot take ``x`` (a contiguous ``dim``-D CUDA tensor of
+    bf16, fp16 or fp32), in a few words about ``subject``; None where they can."""
     if x.device.type != "cuda":
-        return f"the weight is on {x.device.type}"
-    if x.dim() != 3:
-        return f"the weight is {x.dim()}-D, not a stack of expert matrices"
+        return f"{subject} on {x.device.type}"
+    if x.dim() != dim:
+        return f"{subject} {x.dim()}-D, not {shape}"
     if not x.is_contiguous():
-        return "the weight is not contiguous"
+        return f"{subject} not contiguous"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"its dtype is {x.dtype}"
-    return triton_quantize.available(x)
+        return f"{its} dtype is {x.dtype}"
+    return None
 
 
 def groups_torch(x: Tensor, recipe: recipes.Recipe | str, role: str, usage: str,
@@ -296,14 +304,9 @@ def why_not_triton_group_kernel(x: Tensor, recipe: recipes.Recipe | str,
     installed. Else why not, in a few words."""
     if not recipes.as_recipe(recipe).per_row:
         return f"{recipes.as_recipe(recipe).name} scales are not rowwise"
-    if x.device.type != "cuda":
-        return f"the tokens are on {x.device.type}"
-    if x.dim() != 2:
-        return f"the tokens are {x.dim()}-D, not (tokens, features)"
-    if not x.is_contiguous():
-        return "the tokens are not contiguous"
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"their dtype is {x.dtype}"
+    why = _why_not_triton_tensor(x, 2, "the tokens are", "their", "(tokens, features)")
+    if why is not None:
+        return why
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
         return f"the group ends are {offs.dtype} {tuple(offs.shape)} on {offs.device}"
     t, k = x.shape
