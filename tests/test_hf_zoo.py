@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from test_fp8_coverage import _compiled_graphs, assert_no_silent_gemm  # noqa: E402
 
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 128, 16, 2, 64, 128
-STEPS, LR = 5, 1e-3
+STEPS, LR, SEED = 5, 1e-3, 0
 IMAGE, PATCH, LABELS = 32, 8, 16
 
 # the reasons of the not-lowered notes, by their beginning
@@ -193,9 +193,11 @@ def _batch(arch: Arch) -> dict[str, torch.Tensor]:
 def _train(arch: Arch, fp8: str | None):
     """STEPS AdamW steps on one batch, compiled by graphpass: (losses, model, merged report)."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
+    torch.manual_seed(SEED)
     model = arch.build().to(arch.dtype)
     batch = _batch(arch)
+    # kernels="reference" (graphpass's FP8 emulation) only with fp8: graphpass refuses the option
+    # without a recipe
     options = {"fp8": fp8, "kernels": "reference"} if fp8 else {}
     backend = graphpass.backend(codegen="eager", **options)
     step = torch.compile(lambda batch: model(**batch).loss, backend=backend)
@@ -211,10 +213,12 @@ def _train(arch: Arch, fp8: str | None):
 
 
 # The largest relative gap of an FP8 loss from the baseline's at the same step (5 steps, lr 1e-3),
-# measured on torch 2.13: 2.3e-4 (Llama) to 1.35e-3 (DeepSeek-V3), GPT-OSS 2.65e-3. Bounds: about
-# three times the largest. (At lr 3e-3, Adam's sign-like first steps turn FP8's noise in small
-# gradients into full-size updates: the 2-layer Llama's gap reached 1.8e-2 at step 4.)
-LOSS_GAP = {"default": 4e-3, "gpt-oss": 8e-3}
+# measured over 4 seeds (0-3, torch 2.13) and seed 0 on torch 2.11 and 2.15 (ViT's and Mixtral's
+# initial weights differ on 2.11): ViT 4.2e-3 (2.11; 3.0e-3 on 2.13), GPT-OSS 2.9e-3,
+# DeepSeek-V3 2.2e-3, Mixtral (bf16) 1.3e-3, Llama 1.2e-3, every other model at most 1.0e-3.
+# Bounds: about three times each worst. (At lr 3e-3, Adam's sign-like first steps turn FP8's noise
+# in small gradients into full-size updates: the 2-layer Llama's gap reached 1.8e-2 at step 4.)
+LOSS_GAP = {"default": 4e-3, "vit": 1.2e-2, "gpt-oss": 9e-3, "deepseek-v3": 7e-3}
 
 
 @pytest.mark.parametrize("name", list(ZOO))
