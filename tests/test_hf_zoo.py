@@ -134,12 +134,15 @@ ZOO = {
                          num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ * 4,
                          use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0)),
                      "causal", _layers("gpt_neox.layers", 1, *NEOX), LM_HEAD),
-    # Falcon-7B's block: parallel attention and MLP, multi-query attention (eager: bmm's noted);
-    # query_key_value, dense, dense_h_to_4h, dense_4h_to_h = 4 per layer
+    # Falcon-7B's block: parallel attention and MLP, multi-query attention; query_key_value,
+    # dense, dense_h_to_4h, dense_4h_to_h = 4 per layer. Eager attention, its two matmuls noted
+    # as bmm's: under SDPA, torch 2.15 runs this attention as the CPU flash kernel, torch 2.11 and
+    # 2.13 as the math path's bmm's (noted), and the notes would vary by version
     "falcon": Arch(lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
                        hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
                        vocab_size=VOCAB, parallel_attn=True, new_decoder_architecture=False,
-                       multi_query=True, bias=False, hidden_dropout=0.0, attention_dropout=0.0)),
+                       multi_query=True, bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+                       attn_implementation="eager")),
                    "causal", _layers("transformer.h", 1, "self_attention.query_key_value",
                                      "self_attention.dense", "mlp.dense_h_to_4h",
                                      "mlp.dense_4h_to_h"),
