@@ -80,7 +80,7 @@ class _Allocations:
 
     def __init__(self) -> None:
         self.tracker: Any = None
-        self.peak = (-1, None, {})  # (bytes held, "file:line", the frame's live tensors)
+        self.peak = (-1, None, [])  # (bytes held, "file:line", the frame's largest tensors)
         self.live = 0
 
     def empty_strided(self, size, stride, dtype):
@@ -89,9 +89,18 @@ class _Allocations:
                        .values())
             if held > self.peak[0]:
                 frame = sys._getframe(1)
-                tensors = {k: v for k, v in frame.f_locals.items()
-                           if isinstance(v, torch.Tensor)} if self.live else {}
+                tensors = []
+                if self.live:
+                    # sizes only; and the frame's locals dict (a snapshot that CPython keeps on
+                    # the frame) emptied, or it would hold every buffer the wrapper frees later
+                    local = frame.f_locals
+                    tensors = sorted(((v.untyped_storage().nbytes(), k, tuple(v.shape),
+                                       str(v.dtype)[6:]) for k, v in local.items()
+                                      if isinstance(v, torch.Tensor)), reverse=True)[:self.live]
+                    local.clear()
+                    del local
                 self.peak = (held, f"{frame.f_code.co_filename}:{frame.f_lineno}", tensors)
+                del frame
         return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
 
 
@@ -244,10 +253,8 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
                 del saved, user
                 allocations.tracker = None
             total = sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
-    held, where, tensors = allocations.peak
+    held, where, largest = allocations.peak
     base = _storage_bytes(fw_in) + _storage_bytes(grads)
-    largest = sorted(((t.untyped_storage().nbytes(), name, tuple(t.shape), str(t.dtype)[6:])
-                      for name, t in tensors.items()), reverse=True)[:live]
     return {"total": total, "above": total - base, "base": base, "where": where,
             "largest": largest, "activations": activations}
 
