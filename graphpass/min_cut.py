@@ -20,7 +20,7 @@ from . import _compat
 from .config import Config
 from .decisions import Decision, Plan, What, facts
 from .graph.backward_order import order_for_memory
-from .graph.nodes import module_path, op_name
+from .graph.nodes import is_backward, module_path, op_name
 from .graph.offload_copies import Windows, partition_windows
 from .graph.peak import step_peak
 from .passes.tags import random_recomputes, tag
@@ -165,7 +165,7 @@ def exact_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan:
              if isinstance(n, fx.Node) and _JOINT_NODE in n.meta]
     recomputed = {n.meta[_JOINT_NODE] for n in bw.graph.nodes
                   if n.op == "call_function" and _JOINT_NODE in n.meta
-                  and _compat.partition_side(n.meta[_JOINT_NODE]) != "is_backward"}
+                  and not is_backward(n.meta[_JOINT_NODE])}
     return saved, recomputed
 
 

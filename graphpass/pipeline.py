@@ -12,6 +12,7 @@ import torch.fx as fx
 from . import _compat
 from .config import Config, given
 from .decisions import Plan
+from .graph.joint import primals as primals_of, static_primal_positions
 from .min_cut import exact_partition, min_cut, partition_peak
 from .passes.canonicalize import canonicalize
 from .passes.fp8_all_gather import fp8_all_gather
@@ -93,9 +94,9 @@ def run(
     """:func:`partition`, returning its report instead of keeping it; ``input_sources`` are the
     user's names of the graph inputs, for the report's parameter rows, ``fsdp`` whether any is a
     weight FSDP2 manages."""
-    primals = _compat.primals(joint)
+    primals = primals_of(joint)
     # Positions among the primals: a DTensor parameter flattens into several (torch 2.13+).
-    static = _compat.static_primal_positions(primals, list(static_lifetime_input_indices or []))
+    static = static_primal_positions(primals, list(static_lifetime_input_indices or []))
     plan = Plan(primals=primals, parameters={primals[i] for i in static})
     plan.exact_partition = lambda graph: exact_partition(
         graph, joint_inputs, plan=plan, config=config, num_fwd_outputs=num_fwd_outputs,

@@ -20,6 +20,7 @@ from .fp8.inductor import fusion_notes
 from .graph.collectives import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
+from .graph.joint import primal_input_indices
 from .graph.offload_copies import copy_notes, offload_copies
 from .graph.outcome import outcome_notes, weight_once_outcome
 from .graph.peak import step_peak
@@ -58,7 +59,7 @@ class ReportBuilder:
         """
         primals = self.plan.primals
         # Dynamo's graph inputs: one per primal, or per DTensor two primals (torch 2.13+).
-        index = _compat.primal_input_indices(primals)
+        index = primal_input_indices(primals)
         named = ({p.name: input_sources[i] for p, i in zip(primals, index) if i is not None}
                  if set(index) == set(range(len(input_sources))) else {})
         report = self.saved(fw, bw, {k: v for k, v in named.items() if v})

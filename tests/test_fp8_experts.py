@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import graphpass
-from graphpass.fp8 import ops, recipes
+from graphpass.fp8 import ops, recipes, torch_gemms
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
 # with tensorwise in TE's all-E4M3 format (fp8_format="e4m3"), named as the graph ops name it
@@ -466,7 +466,6 @@ def test_tensorwise_forward_runs_as_one_grouped_call(monkeypatch):
     function: tests/test_fp8_rowwise.py::test_tensorwise_grouped_calls_pass_torchs_own_checks);
     an E5M2 gradient operand takes the per-expert path, which the grouped kernel's rules
     refuse."""
-    from graphpass import _compat
     from graphpass.fp8 import providers
 
     calls = []
@@ -489,8 +488,8 @@ def test_tensorwise_forward_runs_as_one_grouped_call(monkeypatch):
     assert g.dtype == recipes.E5M2
     wt, swt = torch.ops.graphpass.quantize(w, "tensorwise", "weight", "columnwise")
     singles = []
-    real_mm = _compat.scaled_mm
-    monkeypatch.setattr(_compat, "scaled_mm", lambda *a, **k: singles.append(1) or real_mm(*a, **k))
+    real_mm = torch_gemms.scaled_mm
+    monkeypatch.setattr(torch_gemms, "scaled_mm", lambda *a, **k: singles.append(1) or real_mm(*a, **k))
     scaled_mm.grouped_gemm(g, sg, wt, swt, offs, "tensorwise", "grad", "weight", torch.bfloat16,
                            None)
     assert len(calls) == 1 and len(singles) == 3  # the 3 non-empty groups, one _scaled_mm each
@@ -568,9 +567,7 @@ def test_scaled_mm_calls_follow_cublaslt_rules(monkeypatch):
     contracts over its 100 tokens), and each scale in its own allocation (a view into the
     per-group scale vector gave CUBLAS_STATUS_NOT_SUPPORTED). Checked here on every call the
     per-group path makes on the CPU."""
-    from graphpass import _compat
-
-    calls, real = [], _compat.scaled_mm
+    calls, real = [], torch_gemms.scaled_mm
 
     def checked(a, b, *, scale_a, scale_b, bias, out_dtype, use_fast_accum):
         calls.append(a.shape)
@@ -579,7 +576,7 @@ def test_scaled_mm_calls_follow_cublaslt_rules(monkeypatch):
         return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
                     use_fast_accum=use_fast_accum)
 
-    monkeypatch.setattr(_compat, "scaled_mm", checked)
+    monkeypatch.setattr(torch_gemms, "scaled_mm", checked)
     _compiled_token_groups("tensorwise", "scaled_mm", "cpu")  # ragged: groups of 100, 233, 167
     assert len(calls) == 2 * 3  # dgrad and wgrad of the three non-empty groups (the forward is
     # one grouped call: tests/test_fp8_rowwise.py::test_tensorwise_experts_say_what_still_loops)

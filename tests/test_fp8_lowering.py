@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphpass
 from graphpass import _compat
-from graphpass.fp8 import providers, recipes
+from graphpass.fp8 import providers, recipes, torch_gemms
 from examples import deepseek, gpt, llama
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
@@ -698,14 +698,14 @@ def test_scaled_mm_accumulates_per_gemm_role(recipe, mode, expected, monkeypatch
     The roles are read from the shape of the first operand (rowwise makes every operand E4M3,
     so dtypes cannot tell): with M=64, K=256, N=128 the forward's is x (64, 256), dgrad's the
     gradient (64, 128), wgrad's the gradient transposed (128, 64)."""
-    calls, real = [], _compat.scaled_mm
+    calls, real = [], torch_gemms.scaled_mm
     roles = {(64, 256): "forward", (64, 128): "dgrad", (128, 64): "wgrad"}
 
     def record(a, b, **kw):
         calls.append((roles[tuple(a.shape)], kw["use_fast_accum"]))
         return real(a, b, **kw)
 
-    monkeypatch.setattr(_compat, "scaled_mm", record)
+    monkeypatch.setattr(torch_gemms, "scaled_mm", record)
     torch.manual_seed(0)
     lin = nn.Linear(256, 128, bias=False)
     x = torch.randn(64, 256, requires_grad=True)
@@ -886,8 +886,8 @@ def _blockwise_gemms(m=256, n=384, k=512, recipe="blockwise"):
             "wgrad": (*q(dy, "grad", True), *q(x, "input", True), "grad", "input")}
 
 
-_NO_BLOCKWISE_MM = pytest.mark.skipif(_compat.blockwise_scaled_mm_missing() is not None,
-                                      reason=str(_compat.blockwise_scaled_mm_missing()))
+_NO_BLOCKWISE_MM = pytest.mark.skipif(torch_gemms.blockwise_scaled_mm_missing() is not None,
+                                      reason=str(torch_gemms.blockwise_scaled_mm_missing()))
 
 
 @_NO_BLOCKWISE_MM
@@ -945,7 +945,7 @@ def test_blockwise_gemms_with_a_128x128_operand_never_ask_for_fast_accumulation(
         asked.append(use_fast_accum)
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
 
-    monkeypatch.setattr(_compat, "blockwise_scaled_mm", record)
+    monkeypatch.setattr(torch_gemms, "blockwise_scaled_mm", record)
     a, sa, b, sb, a_role, b_role = _blockwise_gemms()[gemm]
     for fast in (True, False):
         blockwise_gemm.gemm(a, sa, b, sb, a_role, b_role, torch.bfloat16, None, fast_accum=fast)

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import graphpass
 from graphpass import _compat
-from graphpass.fp8 import cublaslt, providers, recipes
+from graphpass.fp8 import cublaslt, providers, recipes, torch_gemms
 
 E, K, N = 4, 64, 48
 # groups of 100, 0, 233 and 179 tokens: an empty group, none a multiple of 16
@@ -129,7 +129,7 @@ def _checked_scaled_mm(monkeypatch, calls):
     """torch._scaled_mm's CPU emulation, held to what the CUDA rowwise kernel takes (torch 2.13's
     checks, and the two cuBLASLt rules of fp8/cublaslt.py): scale_a (M, 1) and scale_b (1, N),
     fp32, contiguous, each in its own allocation; K a multiple of 16; a bf16 output."""
-    real = _compat.scaled_mm
+    real = torch_gemms.scaled_mm
 
     def checked(a, b, *, scale_a, scale_b, bias, out_dtype, use_fast_accum):
         calls.append((tuple(a.shape), tuple(b.shape)))
@@ -144,7 +144,7 @@ def _checked_scaled_mm(monkeypatch, calls):
         return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
                     use_fast_accum=use_fast_accum)
 
-    monkeypatch.setattr(_compat, "scaled_mm", checked)
+    monkeypatch.setattr(torch_gemms, "scaled_mm", checked)
 
 
 class _Conv1D(nn.Module):
@@ -253,7 +253,7 @@ def _count_grouped(monkeypatch):
     """Each grouped call's form (2d x 3d, 2d x 2d, 3d x 3d), through the emulation that checks
     the kernel's rules; a per-group _scaled_mm would show in the second list."""
     grouped, single = [], []
-    real_grouped, real_mm = providers.scaled_grouped_mm_emulated, _compat.scaled_mm
+    real_grouped, real_mm = providers.scaled_grouped_mm_emulated, torch_gemms.scaled_mm
 
     def grouped_call(a, b, scale_a, scale_b, offs):
         grouped.append(f"{a.dim()}d x {b.dim()}d")
@@ -264,7 +264,7 @@ def _count_grouped(monkeypatch):
         return real_mm(*args, **kwargs)
 
     monkeypatch.setattr(providers, "scaled_grouped_mm_emulated", grouped_call)
-    monkeypatch.setattr(_compat, "scaled_mm", mm)
+    monkeypatch.setattr(torch_gemms, "scaled_mm", mm)
     return grouped, single
 
 
@@ -324,7 +324,7 @@ def test_grouped_calls_pass_torchs_own_checks():
 
     e4 = recipes.E4M3
     with FakeTensorMode(), pytest.MonkeyPatch.context() as m:
-        m.setattr(_compat, "scaled_grouped_mm", fake_kernel)
+        m.setattr(torch_gemms, "scaled_grouped_mm", fake_kernel)
         cuda = lambda *s, dt=e4: torch.empty(*s, dtype=dt, device="cuda")  # noqa: E731
         offs = cuda(len(ENDS), dt=torch.int32)
         out = providers.grouped_mm_call(cuda(T, K), cuda(E, N, K).transpose(-2, -1),

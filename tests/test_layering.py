@@ -134,3 +134,111 @@ def test_lazy_imports_close_a_cycle(tmp_path: Path) -> None:
     runtime = {m: _imports(tmp_path / (m.replace(".", "/") + ".py"), m, root=tmp_path)
                for m in sources}
     assert _cycles(runtime) == []
+
+
+# -- torch's internals: one package ---------------------------------------------------------------
+
+# The one package that reaches torch's private modules (``torch._inductor``, ``torch._functorch``,
+# ``torch.utils._pytree``...), and the one module that calls torch's private FP8 GEMM functions
+# (``torch._scaled_mm``, ``torch._scaled_grouped_mm``), beside the providers that use them.
+PRIVATE_TORCH_PACKAGE = "_compat"
+PRIVATE_TORCH_FUNCTIONS = ("fp8.torch_gemms",)
+
+
+def _private(dotted: str) -> bool:
+    """A dotted name under ``torch`` with a private part (``torch._inductor.config``,
+    ``torch.utils._pytree``); torch's op namespaces (``torch.ops.aten._grouped_mm``) are public
+    and dunders (``torch.__version__``) are no private module."""
+    parts = dotted.split(".")
+    return (parts[0] == "torch" and parts[1:2] != ["ops"]
+            and any(p.startswith("_") and not p.startswith("__") for p in parts[1:]))
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``torch._ops.OpOverload`` for that attribute chain; None for a chain that starts elsewhere
+    than at a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _private_torch(source: str) -> list[tuple[int, str, bool]]:
+    """Each reach into torch's internals in ``source``, anywhere (inside a function, under
+    ``TYPE_CHECKING``): (line, what, whether it is only a call of a private function of torch's
+    top-level module, ``torch._scaled_mm``). An import counts, of a private module or from one
+    (``from torch import _dynamo`` too), and so does an attribute chain through one
+    (``torch._C._has_storage``)."""
+    tree = ast.parse(source)
+    # the outermost attribute chains only: ``torch._C._has_storage``, not also ``torch._C``
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, False) for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found += [(node.lineno, f"{node.module}.{a.name}", False) for a in node.names
+                      if _private(f"{node.module}.{a.name}")
+                      and (_private(node.module) or a.name.startswith("_"))]
+        elif isinstance(node, ast.Attribute) and id(node) not in inner:
+            dotted = _dotted(node)
+            if dotted and _private(dotted):
+                found.append((node.lineno, dotted, dotted.count(".") == 1))
+    return sorted(found)
+
+
+def test_private_torch_modules_only_in_compat() -> None:
+    """Every private torch module is reached from ``graphpass/_compat/`` only, so that a torch
+    release that moves one breaks one package; ``fp8/torch_gemms.py`` alone calls torch's private
+    FP8 GEMM functions. Imports inside functions count."""
+    outside = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module(path)
+        if module == PRIVATE_TORCH_PACKAGE or module.startswith(PRIVATE_TORCH_PACKAGE + "."):
+            continue
+        for line, what, function in _private_torch(path.read_text(encoding="utf-8")):
+            if not (function and module in PRIVATE_TORCH_FUNCTIONS):
+                outside.append(f"graphpass/{path.relative_to(ROOT)}:{line}: {what}")
+    assert not outside, ("private torch modules are reached through graphpass._compat:\n"
+                         + "\n".join(outside))
+
+
+def test_private_torch_finder_sees_every_form() -> None:
+    """The finder sees a private module imported at the top, inside a function or by name from
+    ``torch``, and an attribute chain through one; public names and op namespaces pass."""
+    source = (
+        "import torch\n"
+        "import torch._dynamo\n"
+        "from torch._inductor import config\n"
+        "from torch.utils._pytree import tree_leaves\n"
+        "from torch import _guards\n"
+        "from torch.fx.experimental.symbolic_shapes import guard_or_true\n"
+        "def f(t):\n"
+        "    from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "    isinstance(t, torch._ops.OpOverload)\n"
+        "    torch._C._has_storage(t) or torch._C._has_storage(t.grad)\n"
+        "    torch.ops.aten._grouped_mm.default\n"
+        "    torch.__version__\n"
+        "    return torch._scaled_mm(t, t)\n"
+    )
+    assert _private_torch(source) == [
+        (2, "torch._dynamo", False),
+        (3, "torch._inductor.config", False),
+        (4, "torch.utils._pytree.tree_leaves", False),
+        (5, "torch._guards", False),
+        (8, "torch._subclasses.fake_tensor.FakeTensorMode", False),
+        (9, "torch._ops.OpOverload", False),
+        (10, "torch._C._has_storage", False),
+        (10, "torch._C._has_storage", False),
+        (13, "torch._scaled_mm", True),
+    ]
+
+
+def test_partition_sides_are_read_through_graph_joint() -> None:
+    """The side of the partition a node is on is ``graph.joint.Side``, read and written by
+    ``graph/joint.py`` alone: no other module names torch's metadata key."""
+    named = [f"graphpass/{p.relative_to(ROOT)}" for p in sorted(ROOT.rglob("*.py"))
+             if _module(p) != "graph.joint" and "partitioner_tag" in p.read_text(encoding="utf-8")
+             .replace("``partitioner_tag``", "").replace('``meta["partitioner_tag"]``', "")]
+    assert not named, "partitioner_tag outside graph/joint.py: " + ", ".join(named)

@@ -22,6 +22,8 @@ from torch._functorch.aot_autograd import aot_function
 
 import graphpass
 from graphpass import _compat
+from graphpass.graph.joint import (is_offload_machinery, mark_for_offload, offload_issue,
+                                   offloaded_source, reload_of)
 from graphpass.decisions import What
 from graphpass.graph.offload_copies import compute_seconds, offload_copies
 from graphpass.graph.peak import step_peak
@@ -66,7 +68,7 @@ def _cuda_partition(monkeypatch, *, stream: bool, partitioner=None, n: int = N
                                                         device="cuda")
                 if (partitioner is None and n.op == "call_function"
                         and n.target is torch.ops.aten.relu.default):
-                    _compat.mark_for_offload(n)
+                    mark_for_offload(n)
         if partitioner is not None:
             graphs["fw"], graphs["bw"] = partitioner(
                 joint, inputs, num_fwd_outputs=kwargs["num_fwd_outputs"],
@@ -99,7 +101,7 @@ def _offload_waits(fw: fx.GraphModule) -> list[fx.Node]:
     nodes = list(fw.graph.nodes)
     waits = [n for n in nodes if _name(n) == "ao.wait_tensor.default"]
     for i, node in enumerate(nodes):
-        if _compat.offloaded_source(node) is not None and _name(node).startswith("prims."):
+        if offloaded_source(node) is not None and _name(node).startswith("prims."):
             after = nodes[i + 1] if i + 1 < len(nodes) else None
             if after is not None and _name(after) == "streams.record_event.default":
                 waits += [n for n in nodes if _name(n) == "streams.wait_event.default"
@@ -111,12 +113,12 @@ def _offload_waits(fw: fx.GraphModule) -> list[fx.Node]:
 def test_copies_out_start_after_the_last_use_and_waits_sink_to_the_forwards_end(monkeypatch, stream):
     fw, bw = _cuda_partition(monkeypatch, stream=stream)
     nodes = list(fw.graph.nodes)
-    offloaded = {n: _compat.offloaded_source(n) for n in nodes if _compat.offloaded_source(n)}
+    offloaded = {n: offloaded_source(n) for n in nodes if offloaded_source(n)}
     # every relu output but the last (which the loss reads, and the backward only as a mask)
     assert sorted(s.name for s in offloaded.values()) == ["relu", "relu_1", "relu_2"]
     computes = [i for i, n in enumerate(nodes) if compute_seconds(n) > 0]
     for wait, source in offloaded.items():
-        issue = nodes.index(_compat.offload_issue(wait))
+        issue = nodes.index(offload_issue(wait))
         last_use = max(nodes.index(u) for u in source.users if u is not wait
                        and nodes.index(u) < issue)
         # issued right after its last forward use: no compute in between
@@ -129,7 +131,7 @@ def test_copies_out_start_after_the_last_use_and_waits_sink_to_the_forwards_end(
     # the backward reads each tensor back through torch's reload
     for wait in offloaded:
         placeholder = next(n for n in bw.graph.find_nodes(op="placeholder") if n.name == wait.name)
-        assert _compat.reload_of(placeholder) is not None
+        assert reload_of(placeholder) is not None
 
 
 def test_reloads_are_prefetched_by_the_compute_their_copy_takes(monkeypatch):
@@ -143,11 +145,11 @@ def test_reloads_are_prefetched_by_the_compute_their_copy_takes(monkeypatch):
     first_compute = min(i for i, n in enumerate(nodes) if compute_seconds(n) > 0)
     starts, uses = [], []
     for placeholder in bw.graph.find_nodes(op="placeholder"):
-        reload = _compat.reload_of(placeholder)
+        reload = reload_of(placeholder)
         if reload is None:
             continue
         start = nodes.index(reload[0])
-        use = min(nodes.index(u) for u in reload[1].users if not _compat.is_offload_machinery(u))
+        use = min(nodes.index(u) for u in reload[1].users if not is_offload_machinery(u))
         hidden_under = sum(compute_seconds(n) for n in nodes[start:use])
         assert hidden_under >= copy_s or start < first_compute, (reload[0].name, hidden_under)
         assert start < use
@@ -169,10 +171,10 @@ def test_the_peak_walk_counts_a_prefetched_reload_from_its_start(monkeypatch):
     nodes = list(bw.graph.nodes)
     reloads = []
     for placeholder in bw.graph.find_nodes(op="placeholder"):
-        reload = _compat.reload_of(placeholder)
+        reload = reload_of(placeholder)
         if reload is not None:
             reloads.append(reload[0].name)
-            use = min((u for u in reload[1].users if not _compat.is_offload_machinery(u)),
+            use = min((u for u in reload[1].users if not is_offload_machinery(u)),
                       key=nodes.index)
             use.prepend(reload[0])
     at_use = step_peak(fw, bw, **kwargs)

@@ -31,14 +31,14 @@ import torch
 from torch import Tensor
 
 from .. import _compat
-from . import recipes
+from . import recipes, torch_gemms
 
 SCALING = recipes.Scaling.BLOCKWISE  # the scaling of the recipes this GEMM runs
 
 
 def unsupported(device: torch.device) -> str | None:
     """None where torch's blockwise FP8 GEMM runs on ``device``, else why not."""
-    why = _compat.blockwise_scaled_mm_missing()
+    why = torch_gemms.blockwise_scaled_mm_missing()
     if why:
         return why
     if device.type != "cuda":
@@ -94,7 +94,7 @@ def gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, a_role:
     scaling", seen on an H200 with torch 2.11), so the GEMMs with a weight operand accumulate
     precisely whatever ``Config.fp8_accumulate`` says; ``fast_accumulation`` says the same."""
     scale_a, recipe_a, scale_b, recipe_b = scale_layouts(a_scale_inv, b_scale_inv, a_role, b_role)
-    out = _compat.blockwise_scaled_mm(a, b.t(), scale_a=scale_a, recipe_a=recipe_a,
+    out = torch_gemms.blockwise_scaled_mm(a, b.t(), scale_a=scale_a, recipe_a=recipe_a,
                                       scale_b=scale_b, recipe_b=recipe_b, out_dtype=out_dtype,
                                       use_fast_accum=fast_accumulation(fast_accum, b_role))
     return out if bias is None else out + bias.to(out_dtype)

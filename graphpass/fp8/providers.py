@@ -30,8 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _compat
-from . import blockwise_gemm, recipes
+from . import blockwise_gemm, recipes, torch_gemms
 from .cublaslt import check_scaled_grouped_mm, own_scalar, pad_contraction
 from .jobs import TOKEN_ALIGN, Provider, aligns_tokens, per_expert_gemm, per_group_gemm
 
@@ -85,7 +84,7 @@ class ScaledMM(Provider):
                                       fast_accum=fast_accum)
         fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
         a, b = pad_contraction(a, b)
-        out = _compat.scaled_mm(
+        out = torch_gemms.scaled_mm(
             a, b.t(), scale_a=own_scalar(a_scale_inv), scale_b=own_scalar(b_scale_inv),
             bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=fast_accum,
         )
@@ -146,7 +145,7 @@ def _scaled_mm_rowwise(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: T
     """One rowwise ``torch._scaled_mm``: a (M, K) with scales (M, 1), b (N, K) with (N, 1)."""
     a, b = pad_contraction(a, b)
     fused_bias = bias is not None and bias.dtype == torch.bfloat16
-    out = _compat.scaled_mm(a, b.t(), scale_a=own_rows(a_scale_inv, (-1, 1)),
+    out = torch_gemms.scaled_mm(a, b.t(), scale_a=own_rows(a_scale_inv, (-1, 1)),
                             scale_b=own_rows(b_scale_inv, (1, -1)),
                             bias=bias if fused_bias else None, out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)
@@ -170,7 +169,7 @@ def _rowwise_grouped_runs(a: Tensor, bias: Optional[Tensor]) -> bool:
         return False
     if a.device.type == "cpu":
         return True
-    return (a.device.type == "cuda" and _compat.has_scaled_grouped_mm()
+    return (a.device.type == "cuda" and torch_gemms.has_scaled_grouped_mm()
             and torch.cuda.get_device_capability(a.device) >= (9, 0))
 
 
@@ -179,7 +178,7 @@ def grouped_mm_call(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
     """One rowwise ``torch._scaled_grouped_mm`` (bf16 out); on the CPU its emulation."""
     if a.device.type == "cpu":
         return scaled_grouped_mm_emulated(a, b, scale_a, scale_b, offs)
-    return _compat.scaled_grouped_mm(a, b, scale_a=scale_a, scale_b=scale_b, offs=offs,
+    return torch_gemms.scaled_grouped_mm(a, b, scale_a=scale_a, scale_b=scale_b, offs=offs,
                                      out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 

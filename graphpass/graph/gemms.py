@@ -20,6 +20,7 @@ from .. import _compat
 from ..decisions import facts
 from ..report.coverage import PHASES, with_share
 from .flops import node_flops
+from .joint import primals as primals_of
 from .nodes import is_backward, module_path, op_name
 from .ops import FP8_GEMMS, GATHERS, GEMM_OPS, LIBRARY_GEMMS, PASS_THROUGH, SCATTERS
 
@@ -185,7 +186,7 @@ def _gathered_weight(node: fx.Node) -> bool:
 def _weight_gradient_gemms(joint: fx.GraphModule) -> set[fx.Node]:
     """Backward GEMMs whose result is the gradient of a weight: a primal that is the second
     operand (B) of a forward GEMM. The joint graph returns one gradient per primal, last."""
-    primals = _compat.primals(joint)
+    primals = primals_of(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
     grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
     weights = set()

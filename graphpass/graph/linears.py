@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .. import _compat
+from .joint import primals as primals_of
 from .nodes import is_backward, module_path, op_name
 from .ops import CASTS, TRANSPOSES
 
@@ -94,7 +94,7 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
 
     # wgrad: the backward GEMM whose result is the weight's gradient output. The joint graph
     # returns (forward outputs..., one gradient per primal), so gradients are the last outputs.
-    primals = _compat.primals(joint)
+    primals = primals_of(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
     grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
     for lin in linears:
@@ -184,7 +184,7 @@ def find_grouped(joint: fx.GraphModule) -> list[Linear]:
         if weight.op == "placeholder" and weight.meta["val"].dim() == 3:
             found.append(Linear(module_path(node), weight, w, x, node, stored_kn=True))
 
-    primals = _compat.primals(joint)
+    primals = primals_of(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
     grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
     for lin in found:
@@ -251,7 +251,7 @@ def find_grouped_offsets(joint: fx.GraphModule) -> list[Linear]:
         found.append(Linear(module_path(node), weight, w, x, node, stored_kn=not flipped,
                             offs=offs))
 
-    primals = _compat.primals(joint)
+    primals = primals_of(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
     grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
     for lin in found:

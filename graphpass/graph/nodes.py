@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from .joint import Side, partition_side
 
 _MODULE_SOURCE = re.compile(r"^L\['(?:self|fn|mod|model)'\]|\._(?:modules|parameters|buffers)\[")
 _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -151,7 +152,7 @@ def tensor_bytes(val: torch.Tensor, *, where: str) -> int:
 
 
 def is_backward(node: fx.Node) -> bool:
-    return _compat.partition_side(node) == "is_backward"
+    return partition_side(node) is Side.BACKWARD
 
 
 def is_random(node: fx.Node) -> bool:

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
 
-from .._compat import is_offload_machinery, offload_issue, offloaded_source, reload_of
+from .._compat import tree_leaves
 from ..decisions import Decision, What
 from ..report import format_bytes
 from .flops import node_flops
+from .joint import is_offload_machinery, offloaded_source, reload_of
 from .nodes import module_path, op_name, tensor_bytes
 from .ops import VIEWS
 from .roofline import H100, Device

@@ -9,6 +9,7 @@ import torch.fx as fx
 from .. import _compat
 from ..decisions import Decision, What, facts
 from .flops import node_flops
+from .joint import Side, in_user_checkpoint, partition_side
 from .nodes import module_path, op_name
 from .ops import BOOKKEEPING
 
@@ -33,14 +34,14 @@ def outcome_notes(fw: fx.GraphModule, bw: fx.GraphModule, *,
             recomputed.setdefault(replayed.why, (replayed, set()))[1].add(module or "(top level)")
             flops += node_flops(node)
             continue
-        side = _compat.partition_side(node)
-        if node.op != "call_function" or side not in ("is_forward", "must_be_in_backward"):
+        side = partition_side(node)
+        if node.op != "call_function" or side not in (Side.FORWARD, Side.MUST_BE_IN_BACKWARD):
             continue
         quantized = facts(node).quantized
         if (quantized is not None and op_name(node) == "graphpass.quantize" and quantized.columnwise
                 and quantized.role == "input"):
             requantized.append(module_path(node))
-        if side == "is_forward":
+        if side is Side.FORWARD:
             flops += node_flops(node)
             decision = recompute_decision(node)
             if op_name(node) not in BOOKKEEPING and decision.what is What.RECOMPUTED:
@@ -63,7 +64,7 @@ def weight_once_outcome(decisions: list[Decision], bw: fx.GraphModule) -> list[D
     for node in bw.graph.nodes:
         if (node.op == "call_function"
                 and op_name(node) in ("graphpass.quantize", "graphpass.quantize_weight")
-                and _compat.partition_side(node) == "is_forward" and len(node.args) >= 4
+                and partition_side(node) is Side.FORWARD and len(node.args) >= 4
                 and node.args[2] == "weight" and node.args[3] == "both"
                 and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"):
             why[node.args[0].name] = (
@@ -81,7 +82,7 @@ def recompute_decision(node: fx.Node) -> Decision:
     decision = facts(node).recompute
     if decision is not None:
         return decision
-    if _compat.in_user_checkpoint(node):
+    if in_user_checkpoint(node):
         return Decision(What.RECOMPUTED, "your checkpoint", "your checkpoint", node=node.name)
     return Decision(What.RECOMPUTED, "partitioner", "partitioner's choice", node=node.name)
 

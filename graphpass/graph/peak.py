@@ -53,11 +53,11 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
-from .._compat import offloaded_source, size_hint, storage_id
+from .._compat import size_hint, storage_id, tree_leaves
 from ..report.peak import peak_dict
+from .joint import offloaded_source
 from .nodes import module_path, op_name, tensor_bytes
 from .ops import VIEWS
 
@@ -393,8 +393,7 @@ def _realized_in_kernels(kernels: list[list[fx.Node]], reads: Any, device: str
     by more than one node that reads more than ``realize_reads_threshold`` buffers or, on a CPU,
     applies an exp, log, sigmoid or tanh (``StorageBox.should_realize_on_reuse``; a SiLU's
     sigmoid in its backward; 2.11: exp and sigmoid only). Inductor's peak estimate counts them while their kernels run."""
-    from torch._inductor import config
-
+    config = _compat.inductor_config()
     buffers = reads.keywords["buffers"]
     spans: dict[fx.Node, list[int]] = {}
     for k, kernel in enumerate(kernels):
@@ -434,7 +433,7 @@ def _wrapper_allocates(node: fx.Node, externs: dict[fx.Node, fx.Node]) -> bool:
     kind = _inductor_kind(node)
     if node in externs or kind in ("elementwise", "kernel"):
         return True
-    if kind != "extern" or not isinstance(node.target, torch._ops.OpOverload):
+    if kind != "extern" or not _compat.is_op_overload(node.target):
         return False
     lowerings, fallbacks, _ = _compat.inductor_lowering_tables()
     return node.target in lowerings and node.target not in fallbacks
@@ -748,7 +747,7 @@ def _target_kind(target: Any) -> str:
     name = _compat.op_name(target) or getattr(target, "__name__", str(target))
     if name == "getitem" or name in VIEWS:
         return "view"
-    if not isinstance(target, torch._ops.OpOverload):
+    if not _compat.is_op_overload(target):
         return "extern"
     lowerings, fallbacks, realized_inputs = _compat.inductor_lowering_tables()
     if target in fallbacks or target in realized_inputs or target.overloadpacket in realized_inputs:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.fx as fx
 
-from .._compat import size_hint
+from .._compat import has_storage, size_hint
 from ..paths import layer_of
 from .nodes import is_backward, is_random, module_path, op_name, producer, tensor_val
 from .ops import CASTS, ELEMENTWISE, GEMM_OPS, LIBRARY_GEMMS, LINEAR_GEMMS, VIEWS
@@ -618,7 +618,7 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
 def _nbytes(node: fx.Node, *, storage: bool = False) -> int | None:
     """A node's tensor's bytes, or its storage's (all of which a saved view of it keeps)."""
     val = tensor_val(node)
-    if val is None or (storage and not torch._C._has_storage(val)):
+    if val is None or (storage and not has_storage(val)):
         return None
     nbytes = val.untyped_storage().nbytes() if storage else val.numel() * val.element_size()
     return size_hint(nbytes, where=f"attention's operand {node.name}")

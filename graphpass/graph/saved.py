@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .._compat import offloaded_source, size_hint, storage_id
+from .._compat import size_hint, storage_id
 from ..decisions import Decision, What, facts
 from ..report import Row
+from .joint import offloaded_source
 from .nodes import module_path, normalize_path, op_name, producer, tensor_val
 from .ops import RNG_MARKERS, SAME_DATA
 from .outcome import rng_state_decision

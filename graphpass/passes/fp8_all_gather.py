@@ -36,6 +36,8 @@ from ..config import Config
 from ..decisions import Decision, Plan, Quantized, What, record
 from ..fp8 import recipes
 from ..fp8.ops import AMAX, QUANTIZE_AMAX
+from ..graph.joint import (Side, copy_checkpoint_tags, in_user_checkpoint, partition_side,
+                           set_partition_side)
 from ..graph.nodes import module_path, op_name
 from ..graph.ops import COLLECTIVE_GATHERS, COLLECTIVE_WAITS, GATHER_LAYOUT
 
@@ -61,7 +63,7 @@ def fp8_all_gather(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 f"{role}: off (fp8_all_gather=False): the all-gather moves "
                 f"{_dtype(gather)}, quantized after it"), where), once=True)
             continue
-        pinned = any(_compat.partition_side(q) == "must_be_in_backward" for q in quantizes)
+        pinned = any(partition_side(q) is Side.MUST_BE_IN_BACKWARD for q in quantizes)
         _rewrite(joint.graph, gather, wait, path, quantizes)
         side = "backward" if role == "grad" else "forward"
         # save_original pins the columnwise quantize in the backward to re-quantize a saved
@@ -159,7 +161,7 @@ def _rewrite(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path: list[fx.Node
     x, group_size, group_name = gather.args[:3]
     _, recipe, role, _ = quantizes[0].args
     fp8 = recipes.fp8_dtype(recipe, role)
-    side = _compat.partition_side(gather) or "is_forward"
+    side = partition_side(gather) or Side.FORWARD
     local = x.meta["val"]
 
     def new(target: Callable[..., Any], args: tuple, like: fx.Node, val: Any = None,
@@ -178,9 +180,9 @@ def _rewrite(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path: list[fx.Node
         for key in ("nn_module_stack", "fwd_nn_module_stack", "seq_nr", "stack_trace"):
             if key in (module or like).meta:
                 node.meta[key] = (module or like).meta[key]
-        _compat.set_partition_side(node, _compat.partition_side(like) or side)
-        if _compat.in_user_checkpoint(like):
-            _compat.copy_checkpoint_tags(like, node)
+        set_partition_side(node, partition_side(like) or side)
+        if in_user_checkpoint(like):
+            copy_checkpoint_tags(like, node)
         return node
 
     quantized = Quantized(role, False, x, recipe)

@@ -33,6 +33,8 @@ from ..config import Config
 from ..decisions import Cached, Decision, Plan, What, facts, record
 from ..fp8 import recipes
 from ..fp8.cache import CACHE_DEQUANTIZE, CACHE_DEQUANTIZE_COPY, CACHE_QUANTIZE, DTYPES
+from ..graph.joint import (PLACEMENT_KEYS, Side, copy_checkpoint_tags, partition_side,
+                           set_partition_side)
 from ..graph.nodes import (is_backward, is_random, module_path, op_name, producer, tensor_bytes,
                            tensor_val)
 from ..graph.ops import CASTS, VIEWS
@@ -230,7 +232,7 @@ def _insert(graph: fx.Graph, node: fx.Node, fmt: str) -> fx.Node:
         dq = _call(graph, CACHE_DEQUANTIZE, (data, scale, fmt, val.dtype, stride), like=node)
     record(data, cached=cached)
     record(scale, cached=cached, fp8_scale=True)
-    _compat.set_partition_side(dq, "must_be_in_backward")
+    set_partition_side(dq, Side.MUST_BE_IN_BACKWARD)
     return dq
 
 
@@ -250,7 +252,7 @@ def _lowered_copies(joint: fx.GraphModule) -> dict[fx.Node, tuple[fx.Node, fx.No
             continue  # a grouped quantize (token-group offsets) has per-group scales: not reused
         x, recipe, role, usage = q.args
         if (role != "input" or usage == "rowwise" or tensor_val(x) is None or tensor_val(x).dim() != 2
-                or _compat.partition_side(q) == "must_be_in_backward"):  # save_original="always"
+                or partition_side(q) is Side.MUST_BE_IN_BACKWARD):  # save_original="always"
             continue
         first = 2 if usage == "both" else 0
         items = {u.args[1]: u for u in q.users if u.target is operator.getitem}
@@ -309,7 +311,7 @@ def _pin_chain(value: fx.Node, data: fx.Node) -> None:
         node = todo.pop()
         if node is data or node.op != "call_function" or node.target is operator.getitem:
             continue
-        _compat.set_partition_side(node, "must_be_in_backward")
+        set_partition_side(node, Side.MUST_BE_IN_BACKWARD)
         todo += node.all_input_nodes
 
 
@@ -323,11 +325,11 @@ def _call(graph: fx.Graph, target, args: tuple, *, like: fx.Node) -> fx.Node:
         fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
         with fake_mode or contextlib.nullcontext():
             node.meta["val"] = target(*vals)
-    _compat.set_partition_side(node, "is_forward")
+    set_partition_side(node, Side.FORWARD)
     for key in ("nn_module_stack", "seq_nr", "stack_trace"):
         if key in like.meta:
             node.meta[key] = like.meta[key]
-    _compat.copy_checkpoint_tags(like, node)
+    copy_checkpoint_tags(like, node)
     return node
 
 
@@ -355,9 +357,8 @@ def _read_in_backward(graph: fx.Graph, cached: dict[fx.Node, fx.Node], recompute
             return node
         with graph.inserting_before(before):
             copy = graph.call_function(node.target, *args)
-        copy.meta = {k: v for k, v in node.meta.items()
-                     if k not in ("recompute", "partitioner_tag", "ac_graph_id")}
-        _compat.set_partition_side(copy, "must_be_in_backward")
+        copy.meta = {k: v for k, v in node.meta.items() if k not in PLACEMENT_KEYS}
+        set_partition_side(copy, Side.MUST_BE_IN_BACKWARD)
         value[node] = copy
         return copy
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .. import _compat
+from ..graph import joint as _compat  # set_partition_side, copy_checkpoint_tags (graph/joint.py)
 from ..config import Config
 from ..decisions import Decision, Plan, Quantized, What, facts, record
 from ..fp8 import cost, ops, providers, recipes

@@ -47,10 +47,10 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, What
 from ..graph.flops import node_flops
+from ..graph.joint import mark_for_offload
 from ..graph.offload_copies import Windows, format_seconds
 from ..graph.nodes import (is_backward, is_random, module_path, op_name, producer,
                            tensor_bytes)
@@ -309,7 +309,7 @@ class _Search:
                 else:
                     _set_policy(c.node, self.tags.get(c.node))
             elif on:
-                _compat.mark_for_offload(c.node)
+                mark_for_offload(c.node)
             else:
                 c.node.meta.pop("should_offload", None)
         self.plan.budget_offloads = any(n.meta.get("should_offload") for n in self.offloadable)

@@ -19,9 +19,9 @@ import fnmatch
 import torch
 import torch.fx as fx
 
-from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, What, facts, record
+from ..graph.joint import is_tangent, mark_for_offload
 from ..graph.nodes import is_backward, module_path, op_name, tensor_bytes
 from ..graph.offload_copies import format_seconds
 from ..graph.roofline import H100
@@ -35,7 +35,7 @@ def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     # saves a LayerNorm backward's normalized input where 2.13 saves the forward's equal one).
     reads_tangents: set[fx.Node] = set()
     for node in joint.graph.nodes:
-        if _compat.is_tangent(node) or (
+        if is_tangent(node) or (
                 is_backward(node) and any(i in reads_tangents for i in node.all_input_nodes)):
             reads_tangents.add(node)
             continue
@@ -46,7 +46,7 @@ def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 else What.OFFLOAD_ELIGIBLE)
         record(node, offload=Decision(what, "offload", reason or "", node=node.name))
         if config.offload and not reason:
-            _compat.mark_for_offload(node)
+            mark_for_offload(node)
 
 
 def offload_hidden(joint: fx.GraphModule, plan: Plan, config: Config) -> None:

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .. import _compat
 from ..config import Config
 from ..decisions import FACTS, Decision, Plan, What
+from ..graph.joint import Side, partition_side
 from ..graph.nodes import is_backward, module_path, op_name, tensor_val
 from .tags import tag, user_policy
 
@@ -88,7 +89,7 @@ def regather(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             continue
         why = f"dispatch ({_dispatch(gather)}, re-gathered)"
         for node in kept:
-            if _compat.partition_side(node) == "must_be_in_backward":
+            if partition_side(node) is Side.MUST_BE_IN_BACKWARD:
                 continue  # save_original="always" put the quantize in the backward already
             undo.setdefault(node, (node.meta.get("recompute"), node.meta.get(FACTS)))
             tag(node, CheckpointPolicy.MUST_RECOMPUTE,

@@ -26,10 +26,10 @@ import operator
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .. import _compat
 from ..config import Config
 from ..decisions import FACTS, Decision, Plan, What, facts
 from ..fp8.ops import QUANTIZE
+from ..graph.joint import Side, in_user_checkpoint, set_partition_side
 from ..graph.nodes import is_backward, module_path, op_name, tensor_bytes
 
 
@@ -59,7 +59,7 @@ def save_original(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             policy = "always"
         if policy == "always":
             for node in (col, *col.users):
-                _compat.set_partition_side(node, "must_be_in_backward")
+                set_partition_side(node, Side.MUST_BE_IN_BACKWARD)
         elif policy == "never" and (x, role, _offs(col)) in rowwise:
             merge_usages(joint.graph, rowwise[(x, role, _offs(col))], col)
     if config.fp8_weight_once:
@@ -101,7 +101,7 @@ def merge_usages(graph: fx.Graph, row: fx.Node, col: fx.Node) -> fx.Node:
         both = graph.call_function(QUANTIZE, (x, recipe, role, "both", *row.args[4:]))
         both.meta = {**row.meta, "val": [*row.meta["val"], *col.meta["val"]]}
         # saved in the forward, unless the user's checkpoint region recomputes it
-        if not _compat.in_user_checkpoint(row):
+        if not in_user_checkpoint(row):
             both.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         outs = []
         for i in range(4):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .. import _compat
 from ..decisions import Decision, What, record
+from ..graph.joint import in_user_checkpoint
 from ..graph.nodes import is_random, module_path
 
 
@@ -28,7 +28,7 @@ def user_policy(node: fx.Node) -> CheckpointPolicy | None:
     """The policy of the user's own checkpoint region a node is in (``torch.utils.checkpoint``
     tags its nodes ``PREFER_RECOMPUTE``, a selective-checkpoint policy with what it returned;
     torch marks both with ``ac_graph_id``), or None outside any."""
-    return node.meta.get("recompute") if _compat.in_user_checkpoint(node) else None
+    return node.meta.get("recompute") if in_user_checkpoint(node) else None
 
 
 def tag(node: fx.Node, policy: CheckpointPolicy, decision: Decision | None = None) -> bool:

@@ -1,0 +1,46 @@
+"""torch.distributed's internals: DTensor's local shard and its construction without
+communication, functional collectives, the fake process group's store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (public under that path in 2.11 through 2.15);
+    False where torch was built without distributed."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """This rank's shard of a DTensor, without the autograd op ``to_local`` records (which
+    fake-tensor mode refuses on a real shard)."""
+    return t._local_tensor
+
+
+def dtensor_from_local(local: torch.Tensor, like: Any) -> Any:
+    """A DTensor over ``local`` with ``like``'s mesh, placements, global shape and stride; no
+    communication (``run_check=False``)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def fake_store() -> Any:
+    """The store of torch's fake process group (a test utility of torch's)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def functional_collective(name: str) -> Any:
+    """torch's functional collective op ``name`` (``all_reduce``, ``wait_tensor``), default
+    overload: what DTensor's collectives trace into."""
+    return getattr(torch.ops._c10d_functional, name).default
