@@ -44,9 +44,11 @@ def partition_side(node: fx.Node) -> Side | None:
     return _SIDES.get(node.meta.get(_SIDE_KEY))
 
 
-def set_partition_side(node: fx.Node, side: Side | str) -> None:
-    """Put ``node`` on ``side`` (a ``Side``, or torch's tag for one, which must name one)."""
-    node.meta[_SIDE_KEY] = Side(side).value
+def set_partition_side(node: fx.Node, side: Side) -> None:
+    """Put ``node`` on ``side``."""
+    if not isinstance(side, Side):
+        raise TypeError(f"set_partition_side takes a Side, not {side!r}")
+    node.meta[_SIDE_KEY] = side.value
 
 
 # -- the joint graph's inputs -----------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..graph import joint as _compat  # set_partition_side, copy_checkpoint_tags (graph/joint.py)
+from ..graph.joint import Side, copy_checkpoint_tags, set_partition_side
 from ..config import Config
 from ..decisions import Decision, Plan, Quantized, What, facts, record
 from ..fp8 import cost, ops, providers, recipes
@@ -406,13 +406,13 @@ def _call(graph: fx.Graph, target: Callable[..., Any], args: tuple, like: fx.Nod
     else:
         with fake_mode or contextlib.nullcontext():
             node.meta["val"] = target(*vals)
-    _compat.set_partition_side(node, "is_backward" if backward else "is_forward")
+    set_partition_side(node, Side.BACKWARD if backward else Side.FORWARD)
     for key in ("nn_module_stack", "fwd_nn_module_stack", "seq_nr", "stack_trace"):
         if key in like.meta:
             node.meta[key] = like.meta[key]
     # Inside a user's checkpoint region (torch.utils.checkpoint, SAC), the quantizes and FP8 GEMM
     # that replace a GEMM keep the region's policy: the user's checkpoint still covers them.
     if not backward:
-        _compat.copy_checkpoint_tags(like, node)
+        copy_checkpoint_tags(like, node)
     return node
 
