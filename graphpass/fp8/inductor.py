@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..decisions import Decision, What
-from . import ops, recipes
+from . import ops, recipes, replacements
 
 INLINED = (recipes.Scaling.TENSORWISE, recipes.Scaling.ROWWISE, recipes.Scaling.BLOCKWISE)
 INLINED_RECIPES = tuple(s.value for s in INLINED)  # their names, as the notes say them
@@ -88,7 +88,8 @@ def _patterns() -> Any:
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
-        match.replace_by_example(lambda x: fused_quantize(_stored(x), recipe, role, usage), [x])
+        match.replace_by_example(lambda x: fused_quantize(_stored(x), recipe, role, usage), [x],
+                                 trace_fn=replacements.tracer(("fused", recipe, role, usage)))
 
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
@@ -103,7 +104,8 @@ def _patterns() -> Any:
     def _inline_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
                        offs: fx.Node) -> None:
         match.replace_by_example(
-            lambda x, offs: ops.groups_torch(_stored(x), recipe, role, usage, offs), [x, offs])
+            lambda x, offs: ops.groups_torch(_stored(x), recipe, role, usage, offs), [x, offs],
+            trace_fn=replacements.tracer(("groups", recipe, role, usage)))
 
     return patterns
 
@@ -251,8 +253,10 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
 
 
 def inline_quantizes(graph: fx.Graph) -> int:
-    """Replace every inlinable ``graphpass::quantize`` in ``graph`` by its recipe's ops."""
-    return _patterns().apply(graph)
+    """Replace every inlinable ``graphpass::quantize`` in ``graph`` by its recipe's ops (each
+    kind of quantize traced once: ``replacements``)."""
+    with replacements.per_graph():
+        return _patterns().apply(graph)
 
 
 def post_grad_pass(source_hash: str, user_pass: Any) -> Any:
