@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/compile_time.py                 # every config, 3 runs each
     PYTHONPATH=. python benchmarks/compile_time.py --runs 5 --configs inductor graphpass-bf16
-    PYTHONPATH=. python benchmarks/compile_time.py --quick         # one process, small model: a test
+    PYTHONPATH=. python benchmarks/compile_time.py --quick         # one process, small: a test
 
 A random-config ``transformers`` Llama (bf16, no downloads); one training step (forward and
 backward) of ``torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=...)``.
@@ -251,8 +251,8 @@ def quick() -> list[dict[str, Any]]:
 
 
 PHASE_COLUMNS = ("graphpass partition", "min-cut runs", "peak predictions", "quantize inlining",
-                 "quantize traces", "inductor lowering", "inductor codegen+compile", "inductor C++ wait",
-                 "C++ kernels")
+                 "quantize traces", "inductor lowering", "inductor codegen+compile",
+                 "inductor C++ wait", "C++ kernels")
 COUNTED = ("min-cut runs", "peak predictions", "C++ kernels", "quantize traces")
 IN_THREAD = ("graphpass partition", "min-cut runs", "peak predictions", "quantize inlining",
              "quantize traces", "inductor lowering")  # CPU seconds shown too
