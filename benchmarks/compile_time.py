@@ -65,6 +65,8 @@ def _configure_cold() -> None:
     torch._inductor.config.autotune_remote_cache = False
     torch._functorch.config.enable_autograd_cache = False
     torch._functorch.config.enable_remote_autograd_cache = False
+    if _serial():
+        torch._inductor.config.compile_threads = 1
 
 
 @contextlib.contextmanager
@@ -193,6 +195,24 @@ def _instrument(phases: Phases) -> None:
     phases.wrap("backend patches", backend.Backend, "_inductor_patches")
 
 
+SERIAL = "GRAPHPASS_COMPILE_TIME_SERIAL"
+
+
+def _serial() -> bool:
+    """``--serial``: Inductor compiles its C++ kernels one at a time in this process
+    (``compile_threads=1``), so the compiler's CPU seconds are this process's children's."""
+    return os.environ.get(SERIAL) == "1"
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and of its waited-for children (the C++
+    compiler, under ``--serial``)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def measure(config: str, size: str) -> dict[str, Any]:
     """One cold first step of ``config``: its compile seconds and phases."""
     import torch
@@ -201,22 +221,27 @@ def measure(config: str, size: str) -> dict[str, Any]:
     backend = _backend(config, model)
     phases = Phases()
     _instrument(phases)
+    cpu = _cpu_seconds()
     try:
         with _cold():
             compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss,
                                      backend=backend)
-            steps = []
+            steps: list[float] = []
+            cpu_s: list[float] = []
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
                 start = time.perf_counter()
                 compiled(ids).backward()
                 steps.append(time.perf_counter() - start)
+                if not cpu_s:
+                    cpu_s.append(_cpu_seconds() - cpu)
     finally:
         phases.restore()
     step = statistics.median(steps[1:])
     return {"config": config, "size": size, "first_step_s": steps[0], "step_s": step,
             "compile_s": steps[0] - step, "counts": phases.counts, "seconds": phases.seconds,
-            "cpu": phases.cpu,
+            "cpu": phases.cpu, "serial": _serial(),
+            "first_step_cpu_s": cpu_s[0] if _serial() else None,
             "reports": len(getattr(getattr(backend, "partitioner", None), "reports", ()))}
 
 
@@ -265,12 +290,19 @@ def table(runs: list[dict[str, Any]]) -> str:
         by_config.setdefault(run["config"], []).append(run)
     base = statistics.median(r["compile_s"] for r in by_config.get(BASELINE, [])) if (
         BASELINE in by_config) else None
-    head = ["config", "compile s (median)", "runs", f"x {BASELINE}", *PHASE_COLUMNS]
+    serial = all(r.get("first_step_cpu_s") is not None for r in runs)
+    head = ["config", "compile s (median)", "runs", f"x {BASELINE}",
+            *(["first step CPU s", f"x {BASELINE}"] if serial else []), *PHASE_COLUMNS]
+    base_cpu = statistics.median(r["first_step_cpu_s"] for r in by_config[BASELINE]) if (
+        serial and BASELINE in by_config) else None
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for config, rs in by_config.items():
         seconds = statistics.median(r["compile_s"] for r in rs)
         cells = [config, f"{seconds:.2f}", ", ".join(f"{r['compile_s']:.1f}" for r in rs),
                  f"{seconds / base:.2f}x" if base else "-"]
+        if serial:
+            cpu = statistics.median(r["first_step_cpu_s"] for r in rs)
+            cells += [f"{cpu:.1f}", f"{cpu / base_cpu:.2f}x" if base_cpu else "-"]
         for phase in PHASE_COLUMNS:
             if phase not in rs[0]["counts"]:
                 cells.append("-")
@@ -292,8 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--serial", action="store_true",
+                        help="C++ kernels compiled one at a time, and each first step's CPU "
+                        "seconds (this process's and the compiler's) in a column: the compile "
+                        "work, which a loaded machine changes little")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serial:
+        os.environ[SERIAL] = "1"  # the children's too
 
     if args.child:
         _configure_cold()
