@@ -25,7 +25,10 @@ runs and peak predictions in it, the quantize inlining pattern pass, and Inducto
 code generation with the wait for its C++ compiles.
 
 ``--quick`` compiles a one-layer model with plain Inductor then graphpass bf16 in one process
-(each under a fresh cache), once: ``tests/test_compile_time.py`` runs it. ``--json`` prints the
+(each under a fresh cache), once, under ``--serial``: ``tests/test_compile_time.py`` runs it.
+``--serial`` has Inductor compile its C++ kernels one at a time in the compiling process and adds
+each first step's CPU seconds, the process's and the compiler's: the compile's work, which a
+loaded machine changes far less than its wall time. ``--json`` prints the
 runs as JSON instead of the table.
 """
 
@@ -53,20 +56,27 @@ BASELINE = "inductor"
 SIZES = {"tiny": (256, 512, 2, 4, 2, 256, 2, 64), "quick": (64, 128, 1, 2, 1, 128, 2, 16)}
 
 
+def _cold_settings() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Inductor's and AOTAutograd's settings for cold compiles (a fresh cache directory is set
+    around each compile: ``_cold``): their caches off, and under ``--serial`` one C++ compile
+    at a time, in this process."""
+    inductor = {"fx_graph_cache": False, "fx_graph_remote_cache": False,
+                "autotune_local_cache": False, "autotune_remote_cache": False}
+    if _serial():
+        inductor["compile_threads"] = 1
+    return inductor, {"enable_autograd_cache": False, "enable_remote_autograd_cache": False}
+
+
 def _configure_cold() -> None:
-    """Inductor's caches off, for every compile of this process (a fresh cache directory is
-    set around each compile: ``_cold``)."""
+    """``_cold_settings`` for every compile of this process (a child's)."""
     import torch._functorch.config
     import torch._inductor.config
 
-    torch._inductor.config.fx_graph_cache = False
-    torch._inductor.config.fx_graph_remote_cache = False
-    torch._inductor.config.autotune_local_cache = False
-    torch._inductor.config.autotune_remote_cache = False
-    torch._functorch.config.enable_autograd_cache = False
-    torch._functorch.config.enable_remote_autograd_cache = False
-    if _serial():
-        torch._inductor.config.compile_threads = 1
+    inductor, functorch = _cold_settings()
+    for key, value in inductor.items():
+        setattr(torch._inductor.config, key, value)
+    for key, value in functorch.items():
+        setattr(torch._functorch.config, key, value)
 
 
 @contextlib.contextmanager
@@ -265,14 +275,26 @@ def torchao_available() -> bool:
 
 
 def quick() -> list[dict[str, Any]]:
-    """Plain Inductor then graphpass bf16 on the one-layer model, in this process."""
-    _configure_cold()
-    _warm_isa()
-    import torch
+    """Plain Inductor then graphpass bf16 on the one-layer model, in this process, serially
+    (``--serial``: their CPU seconds compared); the process's settings are restored after."""
+    import torch._functorch.config
+    import torch._inductor.config
 
-    with _cold():  # imports and Inductor's first-use work, outside the clock
-        torch.compile(lambda x: (x.sin() * 2).sum())(torch.ones(4, requires_grad=True)).backward()
-    return [measure(config, "quick") for config in ("inductor", "graphpass-bf16")]
+    saved = os.environ.get(SERIAL)
+    os.environ[SERIAL] = "1"
+    try:
+        inductor, functorch = _cold_settings()
+        with torch._inductor.config.patch(inductor), torch._functorch.config.patch(functorch):
+            _warm_isa()
+            with _cold():  # imports and Inductor's first-use work, outside the clock
+                torch.compile(lambda x: (x.sin() * 2).sum())(
+                    torch.ones(4, requires_grad=True)).backward()
+            return [measure(config, "quick") for config in ("inductor", "graphpass-bf16")]
+    finally:
+        if saved is None:
+            os.environ.pop(SERIAL)
+        else:
+            os.environ[SERIAL] = saved
 
 
 PHASE_COLUMNS = ("graphpass partition", "min-cut runs", "peak predictions", "quantize inlining",

@@ -4,8 +4,8 @@ work once more than plain Inductor at most in graphpass's own partition, and not
 A cold compile each (fresh Inductor cache, its caches off), one process: plain Inductor then
 graphpass bf16 on a one-layer random-config Hugging Face Llama. The counts are exact (one
 partition, one min-cut, one peak prediction per graph, no more C++ kernels than Inductor's); the
-timings are bounds a loaded two-core machine keeps (graphpass's partition is about 1% of the
-compile here, and the compile within 1.1x of Inductor's on an idle machine).
+timings are CPU seconds (the compiling process's and its C++ compiler's), with bounds a loaded
+two-core machine keeps.
 """
 
 import importlib.util
@@ -45,5 +45,8 @@ def test_graphpass_bf16_compiles_as_inductor_does():
     # graphpass's plan compiles no more kernels than torch's partition
     assert 0 < ours["counts"]["C++ kernels"] <= inductor["counts"]["C++ kernels"], table
 
-    assert ours["seconds"]["graphpass partition"] < 0.25 * inductor["compile_s"], table
-    assert ours["compile_s"] < 2.5 * inductor["compile_s"], table
+    # CPU seconds of the first step, the process's and its C++ compiler's (kernels compiled one
+    # at a time: --serial), which the other test worker changes far less than the wall time:
+    # equal here (22.8 s and 22.9 s for the two-layer model), graphpass's partition under 1%
+    assert ours["cpu"]["graphpass partition"] < 0.1 * inductor["first_step_cpu_s"], table
+    assert ours["first_step_cpu_s"] < 1.5 * inductor["first_step_cpu_s"], table
