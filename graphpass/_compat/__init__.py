@@ -44,7 +44,7 @@ from .inductor import (compile_fx, custom_graph_pass_base, custom_partitioner_ba
                        remove_noop_ops)
 from .inductor_cpp import guard_cpp_bf16_transpose, guard_cpp_loop_split
 from .ops import (has_storage, is_higher_order, is_non_overlapping_and_dense, is_op_overload,
-                  op_name, storage_id, tree_leaves)
+                  op_name, storage_id, tensor_metadata, tree_leaves)
 from .partitioner import min_cut_dumps, min_cut_failure, min_cut_partition, min_cut_settings
 from .partitioner_patch import MinCutDumps
 from .versions import (INDUCTOR_REALIZE_HEAVY_OPS, TORCH_VERSION, TORCH_VERSION_STR,
@@ -63,5 +63,6 @@ __all__ = [
     "is_dtensor", "is_higher_order", "is_non_overlapping_and_dense", "is_op_overload",
     "is_rng_op", "min_cut_dumps", "min_cut_failure", "min_cut_partition", "min_cut_settings",
     "op_name", "placeholder_source", "register_backend", "register_persistent_outputs",
-    "remove_noop_ops", "size_hint", "storage_id", "tree_leaves", "unlimited_recompiles",
+    "remove_noop_ops", "size_hint", "storage_id", "tensor_metadata", "tree_leaves",
+    "unlimited_recompiles",
 ]

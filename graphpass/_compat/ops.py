@@ -50,3 +50,10 @@ def storage_id(val: torch.Tensor) -> int | None:
 def has_storage(val: torch.Tensor) -> bool:
     """Whether a tensor (fake, meta or real) has a storage (a sparse or nested one may not)."""
     return torch._C._has_storage(val)
+
+
+def tensor_metadata(val: torch.Tensor) -> Any:
+    """The ``tensor_meta`` FX's shape propagation and ``make_fx`` put on a node of ``val``."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    return _extract_tensor_metadata(val)

@@ -22,6 +22,8 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from .. import _compat
+
 _current: contextvars.ContextVar[dict[Hashable, fx.GraphModule] | None] = contextvars.ContextVar(
     "graphpass_replacements", default=None)
 
@@ -60,8 +62,7 @@ def tracer(kind: Hashable) -> Callable[[Callable[..., Any], Sequence[Any]], fx.G
         return None
 
     def trace(fn: Callable[..., Any], args: Sequence[Any]) -> fx.GraphModule:
-        from torch._inductor.pattern_matcher import fwd_only
-
+        fwd_only = _compat.inductor_pattern_matcher().fwd_only
         keys = [_value_key(a) for a in args]
         if any(k is None for k in keys):
             return fwd_only(fn, args)
@@ -92,7 +93,6 @@ def _refreshed(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     """``gm`` with every node's ``val`` and ``tensor_meta`` computed from ``args`` (fake
     tensors), as ``make_fx``'s ``set_meta`` sets them."""
     from torch.fx.experimental.proxy_tensor import extract_val
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
     env: dict[fx.Node, Any] = {}
     placeholders = iter(args)
@@ -108,6 +108,6 @@ def _refreshed(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
         if "val" in node.meta:
             node.meta["val"] = extract_val(value, include_real=node.op == "placeholder")
         if "tensor_meta" in node.meta and isinstance(value, torch.Tensor):
-            node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+            node.meta["tensor_meta"] = _compat.tensor_metadata(value)
     gm.recompile()
     return gm
