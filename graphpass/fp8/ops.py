@@ -273,7 +273,7 @@ def _why_not_triton_tensor(x: Tensor, dim: int, subject: str, its: str,
         return f"{subject} {x.dim()}-D, not {shape}"
     if not x.is_contiguous():
         return f"{subject} not contiguous"
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in triton_quantize._INPUT_DTYPES:
         return f"{its} dtype is {x.dtype}"
     return None
 
@@ -309,10 +309,7 @@ def why_not_triton_group_kernel(x: Tensor, recipe: recipes.Recipe | str,
         return why
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
         return f"the group ends are {offs.dtype} {tuple(offs.shape)} on {offs.device}"
-    t, k = x.shape
-    if k * max(t, providers.aligned_tokens(t, offs.shape[0])) >= 2**31:
-        return f"({t}, {k}) tokens: a copy past 2**31 elements, which the kernels index in int32"
-    return triton_quantize.available(x)
+    return triton_grouped.too_large(*x.shape, offs.shape[0]) or triton_quantize.available(x)
 
 
 def _quantize_groups_rowwise(x: Tensor, recipe: str, role: str, offs: Tensor) -> list[Tensor]:

@@ -5,10 +5,10 @@ Inductor's decompositions for every match: for the inlined recipe, 20 or so ops 
 proxy, the Python dispatcher and the fake tensors, 30 ms a quantize on the CPU, most of the
 pattern pass (2.9 s of the tiny Llama's FP8 step, 72 quantizes). A graph's quantizes repeat per
 layer: the same recipe, role, usage and input shape, strides and dtype trace to the same ops.
-``Replacements`` (one per graph the pass rewrites) traces the first of each kind, keeps a copy
-of its graph, and gives the next ones that copy with each node's value and tensor metadata
-computed again on the match's own fake inputs (one fake op per node, no tracing), as the
-trace would have set them: no two inserted nodes share a fake tensor, and the ops, their
+``tracer`` (its cache one per graph the pass rewrites: ``per_graph``) traces the first of each
+kind, keeps a copy of its graph, and gives the next ones that copy with each node's value and
+tensor metadata computed again on the match's own fake inputs (one fake op per node, no
+tracing), as the trace would have set them: no two inserted nodes share a fake tensor, and the ops, their
 arguments and every other metadata field are the trace's. Inputs with symbolic sizes are
 traced every time.
 """

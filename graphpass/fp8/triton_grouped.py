@@ -263,11 +263,18 @@ def _check(x: Tensor, offs: Tensor, fp8_dtype: torch.dtype, fp8_max: float) -> N
     top = torch.finfo(fp8_dtype).max
     if not 0.0 < fp8_max <= top:
         raise ValueError(f"fp8_max must be in (0, {top}] for {fp8_dtype}, got {fp8_max}")
-    t, k = x.shape
-    p = providers.aligned_tokens(t, offs.shape[0])
-    if k * max(t, p) >= _INT32_LIMIT or offs.shape[0] * k >= _INT32_LIMIT:
-        raise ValueError(f"(T, K) = ({t}, {k}) with {offs.shape[0]} groups: a copy or the "
-                         f"(G, K) amaxes exceed 2**31 elements; the kernels index them in int32")
+    why = too_large(*x.shape, offs.shape[0])
+    if why is not None:
+        raise ValueError(why)
+
+
+def too_large(t: int, k: int, groups: int) -> str | None:
+    """Why (T, K) tokens in ``groups`` groups are past what the kernels index (int32), or None."""
+    p = providers.aligned_tokens(t, groups)
+    if k * max(t, p) >= _INT32_LIMIT or groups * k >= _INT32_LIMIT:
+        return (f"(T, K) = ({t}, {k}) with {groups} groups: a copy or the (G, K) amaxes past "
+                f"2**31 elements, which the kernels index in int32")
+    return None
 
 
 def _outputs(x: Tensor, groups: int, fp8_dtype: torch.dtype, rows: bool, cols: bool,
