@@ -8,9 +8,9 @@ layer: the same recipe, role, usage and input shape, strides and dtype trace to 
 ``tracer`` (its cache one per graph the pass rewrites: ``per_graph``) traces the first of each
 kind, keeps a copy of its graph, and gives the next ones that copy with each node's value and
 tensor metadata computed again on the match's own fake inputs (one fake op per node, no
-tracing), as the trace would have set them: no two inserted nodes share a fake tensor, and the ops, their
-arguments and every other metadata field are the trace's. Inputs with symbolic sizes are
-traced every time.
+tracing), as the trace would have set them: no two inserted nodes share a fake tensor, and the
+ops, their arguments and every other metadata field are the trace's. Inputs with symbolic sizes
+are traced every time.
 """
 
 from __future__ import annotations
