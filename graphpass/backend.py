@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import inspect
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -14,7 +15,7 @@ import torch.fx as fx
 
 from . import _compat
 from .config import Config
-from .graph.nodes import Root, Step, frame_roots, parse_source, root_steps
+from .graph.nodes import Root, Step, frame_arguments, frame_roots, parse_source, root_steps
 from .pipeline import run
 from .report import Report
 from .reporting import remember
@@ -176,11 +177,14 @@ def input_sources(gm: fx.GraphModule) -> Iterator[None]:
     sources = tuple(_compat.placeholder_source(n) for n in placeholders)
     token = _graph_inputs.set(GraphInputs(
         sources=sources, fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders)))
-    roots = frame_roots.set(module_roots(gm, sources))
+    roots, models = _module_roots(gm, sources)
+    roots_token = frame_roots.set(roots)
+    arguments_token = frame_arguments.set(_positional_arguments(models))
     try:
         yield
     finally:
-        frame_roots.reset(roots)
+        frame_arguments.reset(arguments_token)
+        frame_roots.reset(roots_token)
         _graph_inputs.reset(token)
 
 
@@ -191,13 +195,20 @@ def module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> dict
     lead to (``args[0]`` behind a decorator, ``func`` of a partial, but a child named ``func`` of
     the compiled module itself), then through torch's data-parallel wrappers (``wrapper_child``).
     Outside a dynamo compile, the names alone decide (``graph.nodes.normalize_path``)."""
+    return _module_roots(gm, sources)[0]
+
+
+def _module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> tuple[
+        dict[tuple[str, tuple[Step, ...]], Root], list[torch.nn.Module]]:
+    """:func:`module_roots`, and the models its roots lead to."""
     scopes = _compat.frame_scopes()
     if scopes is None:
-        return {}
+        return {}, []
     names = {*filter(None, sources)}
     for node in gm.graph.nodes:
         names.update(path for path, _ in (node.meta.get("nn_module_stack") or {}).values())
     roots: dict[tuple[str, tuple[Step, ...]], Root] = {}
+    models: list[torch.nn.Module] = []
     for name in names:
         parsed = parse_source(name) if isinstance(name, str) else None
         if parsed is None:
@@ -206,26 +217,64 @@ def module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> dict
         scope, variable = scopes.get(local[0], {}), local[3:-2]  # "L['args']": L, args
         key = (local, tuple(steps[:root_steps(steps)]))
         if key not in roots and variable in scope:
-            roots[key] = _root(scope[variable], list(key[1]))
-    return roots
+            roots[key], model = _root(scope[variable], list(key[1]))
+            if model is not None and all(model is not m for m in models):
+                models.append(model)
+    return roots, models
 
 
-def _root(obj: Any, steps: list[Step]) -> Root:
-    """The root of sources that begin with ``steps`` after a local holding ``obj``."""
+def _root(obj: Any, steps: list[Step]) -> tuple[Root, torch.nn.Module | None]:
+    """The root of sources that begin with ``steps`` after a local holding ``obj``, and the
+    model there (None where the walk finds no module)."""
     n = 0
     while not isinstance(obj, torch.nn.Module) and n < len(steps):
         try:
             obj = obj[_index(steps[n].name)] if steps[n].subscript else getattr(obj, steps[n].name)
         except Exception:  # not an object this walk can follow: the names decide
-            return Root(len(steps))
+            return Root(len(steps)), None
         n += 1
     if not isinstance(obj, torch.nn.Module):
-        return Root(len(steps))
+        return Root(len(steps)), None
     through = []
     while (child := wrapper_child(obj)) is not None:
         through.append(child[0])
         obj = child[1]
-    return Root(n, tuple(through))
+    return Root(n, tuple(through)), obj
+
+
+def _positional_arguments(models: list[torch.nn.Module]
+                          ) -> tuple[str, tuple[str | None, ...]] | None:
+    """Where the frame being compiled takes its inputs as ``*args`` and passes them on to the one
+    model its sources lead to (a ``(*args, **kwargs)`` decorator's wrapper, a partial, a wrapper
+    module's forward): that local's name and the model forward's argument each item binds to,
+    by the forward's signature (``inspect.signature`` follows ``functools.wraps``), the model
+    itself skipped where it is the first item. None elsewhere: the frame's own names are the
+    arguments' names, or there is no one model to read them from."""
+    varargs = _compat.frame_varargs()
+    scope = (_compat.frame_scopes() or {}).get("L", {})
+    items = scope.get(varargs) if varargs else None
+    if not isinstance(items, tuple) or len(models) != 1:
+        return None
+    model = models[0]
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a signature to read
+        return None
+    if any(p.name == varargs for p in parameters):
+        return None  # the model's own forward, taking *args: its name is the argument's
+    offset = 1 if items and items[0] is model else 0
+    names: list[str | None] = [None] * offset
+    positional = [p for p in parameters if p.kind in (
+        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    for i in range(len(items) - offset):
+        if i < len(positional) and positional[i].kind is not positional[i].VAR_POSITIONAL:
+            names.append(positional[i].name)
+        elif positional and positional[-1].kind is positional[-1].VAR_POSITIONAL \
+                and i >= len(positional) - 1:
+            names.append(f"{positional[-1].name}[{i - len(positional) + 1}]")
+        else:
+            names.append(None)
+    return varargs, tuple(names)
 
 
 def _index(key: str) -> Any:

@@ -267,3 +267,56 @@ class RowParallelOut(nn.Module):
 def test_a_wide_projection_into_the_residual_stream_is_no_head():
     lowered, not_lowered = _fp8(_compile_step(RowParallelOut(), torch.randn(32, D)))
     assert lowered == {"down", "o_proj"} and not not_lowered
+
+
+@pytest.mark.parametrize("frame", list(FRAMES))
+def test_a_positional_input_is_named_by_the_forwards_argument_whatever_the_frame(frame):
+    """fp8=None: fc saves the input itself, a row named by the forward's argument, ``x``, not
+    by the ``*args`` item a decorator's wrapper or a partial took it as."""
+    backend = graphpass.backend(codegen="eager")
+    torch.compile(FRAMES[frame](), backend=backend)(torch.randn(32, D)).sum().backward()
+    report = backend.report()
+    assert {r.module for r in report.rows} == {"body", "input:x", "lm_head.weight"}
+
+
+class TwoInputs(nn.Module):
+    """A forward of two positional inputs behind a decorator; the second is saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    @passthrough
+    def forward(self, x, gain, *extra):
+        out = self.fc(x) * gain
+        for e in extra:
+            out = out * e
+        return out
+
+
+def test_positional_inputs_behind_a_decorator_by_name_and_varargs_by_position():
+    x, gain, e = (torch.randn(32, D, requires_grad=True) for _ in range(3))
+    backend = graphpass.backend(codegen="eager")
+    torch.compile(TwoInputs(), backend=backend)(x, gain, e).sum().backward()
+    inputs = {r.module for r in backend.report().rows if r.module.startswith("input:")}
+    # fc's output times gain saves gain; the product times extra[0] saves extra[0]; x for wgrad
+    assert inputs == {"input:x", "input:gain", "input:extra[0]"}
+
+
+class StarForward(nn.Module):
+    """A model whose own forward takes ``*xs``: its name is the inputs' name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, *xs):
+        return self.fc(xs[0]) * xs[1]
+
+
+def test_a_forward_of_its_own_varargs_keeps_their_name():
+    x, y = (torch.randn(32, D, requires_grad=True) for _ in range(2))
+    backend = graphpass.backend(codegen="eager")
+    torch.compile(StarForward(), backend=backend)(x, y).sum().backward()
+    inputs = {r.module for r in backend.report().rows if r.module.startswith("input:")}
+    assert inputs == {"input:xs[0]", "input:xs[1]"}

@@ -36,8 +36,8 @@ from __future__ import annotations
 from .distributed import (dtensor_from_local, dtensor_local, fake_store, functional_collective,
                           is_dtensor)
 from .dynamo import (aot_autograd, backend_value_error, compile_id, compiled_frame,
-                     fake_tensor_mode, frame_scopes, fsdp_managed_input, placeholder_source,
-                     register_backend, unlimited_recompiles)
+                     fake_tensor_mode, frame_scopes, frame_varargs, fsdp_managed_input,
+                     placeholder_source, register_backend, unlimited_recompiles)
 from .inductor import (compile_fx, custom_graph_pass_base, custom_partitioner_base,
                        inductor_config, inductor_decompositions, inductor_lowering_tables,
                        inductor_partition_fn, inductor_pattern_matcher, register_persistent_outputs,
@@ -56,7 +56,8 @@ __all__ = [
     "UNBACKED_SIZE_HINT", "aot_autograd", "assumed_sizes", "assumed_sizes_why",
     "backend_value_error", "compile_fx", "compile_id", "compiled_frame", "cuda_version",
     "custom_graph_pass_base", "custom_partitioner_base", "dtensor_from_local", "dtensor_local",
-    "fake_store", "fake_tensor_mode", "flop_formula", "frame_scopes", "fsdp_managed_input",
+    "fake_store", "fake_tensor_mode", "flop_formula", "frame_scopes", "frame_varargs",
+    "fsdp_managed_input",
     "functional_collective", "guard_cpp_bf16_transpose", "guard_cpp_loop_split", "has_storage",
     "inductor_config", "inductor_decompositions", "inductor_lowering_tables",
     "inductor_partition_fn", "inductor_pattern_matcher", "inductor_rounds_fused_casts",

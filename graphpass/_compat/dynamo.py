@@ -33,6 +33,23 @@ def frame_scopes() -> dict[str, dict[str, Any]] | None:
     return {k: v for k, v in scopes.items() if isinstance(v, dict)} or None
 
 
+def frame_varargs() -> str | None:
+    """The name of the ``*args`` parameter of the function dynamo is compiling (``args`` in a
+    ``(*args, **kwargs)`` decorator's wrapper), where a backend is called from its compile and
+    the function takes one; None elsewhere."""
+    import inspect
+
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+    except Exception:  # not inside a dynamo compile, or a torch without current_tx
+        return None
+    if not getattr(code, "co_flags", 0) & inspect.CO_VARARGS:
+        return None
+    return code.co_varnames[code.co_argcount + code.co_kwonlyargcount]
+
+
 def compile_id() -> tuple[int, int] | None:
     """The (frame id, compile of that frame) of the dynamo compile in progress: ``0/1`` is frame
     0's second compile, a recompile after a guard failed; a graph break's next graph is another

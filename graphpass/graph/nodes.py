@@ -49,6 +49,11 @@ class Root(NamedTuple):
 # (``backend.module_roots``), keyed by the local and the steps the names alone take as the root.
 frame_roots: contextvars.ContextVar[dict[tuple[str, tuple[Step, ...]], Root]] = \
     contextvars.ContextVar("graphpass_frame_roots", default={})
+# Set by the backend around a compile: the ``*args`` local of a frame that passes its positional
+# inputs on to the model (a ``(*args, **kwargs)`` decorator's wrapper), and the model forward's
+# argument each of its items binds to (None: the model itself, or past the forward's arguments).
+frame_arguments: contextvars.ContextVar[tuple[str, tuple[str | None, ...]] | None] = \
+    contextvars.ContextVar("graphpass_frame_arguments", default=None)
 
 
 def parse_source(source: str) -> tuple[str, list[Step]] | None:
@@ -91,17 +96,25 @@ def normalize_path(source: str, *, of_module: bool = True) -> str:
     ``_fsdp_wrapped_module``) are left out.
 
     Graph-input sources (``of_module=False``) that are not attributes of the compiled module are
-    the user's inputs: ``L['x']`` -> ``input:x``, and a keyword input that a ``**kwargs`` took
-    by its keyword: ``L['kwargs']['input_ids']`` -> ``input:input_ids``.
+    the user's inputs: ``L['x']`` -> ``input:x``, a keyword input that a ``**kwargs`` took by its
+    keyword: ``L['kwargs']['input_ids']`` -> ``input:input_ids``, and a positional input that a
+    ``*args`` took by the model forward's argument it binds to (``frame_arguments``):
+    ``L['args'][1]`` -> ``input:x`` behind a decorator of ``forward(self, x)``.
     """
     if not source:
         return ""
     if not of_module and not _MODULE_SOURCE.search(source):
         name = source[3:].split("'", 1)[0]
         rest = _SUBSCRIPT.sub(r"[\1]", source[3 + len(name) + 2:])
-        keyword = _KEYWORD.match(rest) if name == "kwargs" else None
-        if keyword:  # a keyword input (a forward taking **kwargs): by its keyword
-            name, rest = keyword.group(1), rest[keyword.end():]
+        item = _KEYWORD.match(rest)
+        arguments = frame_arguments.get()
+        if item and name == "kwargs":  # a keyword input (a forward taking **kwargs): by its keyword
+            name, rest = item.group(1), rest[item.end():]
+        elif item and arguments and name == arguments[0] and item.group(1).isdigit():
+            names = arguments[1]
+            index = int(item.group(1))
+            if index < len(names) and names[index] is not None:
+                name, rest = names[index], rest[item.end():]
         return f"input:{name}{rest}"
     parsed = parse_source(source)
     if parsed is None:  # a form parse_source does not know: the names as they are
