@@ -1,10 +1,11 @@
-"""First-step compile time of a tiny Hugging Face Llama: plain Inductor, graphpass, torchao float8.
+"""First-step compile time of tiny Hugging Face models: plain Inductor, graphpass, torchao float8.
 
     PYTHONPATH=. python benchmarks/compile_time.py                 # every config, 3 runs each
     PYTHONPATH=. python benchmarks/compile_time.py --runs 5 --configs inductor graphpass-bf16
     PYTHONPATH=. python benchmarks/compile_time.py --quick         # one process, small: a test
 
-A random-config ``transformers`` Llama (bf16, no downloads); one training step (forward and
+A random-config ``transformers`` model (bf16, no downloads; ``--arch``: ``llama`` by default,
+``mixtral``, ``gpt_neox``, ``phi3``); one training step (forward and
 backward) of ``torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=...)``.
 Each run is a cold compile: dynamo reset, Inductor's FX graph, AOTAutograd and autotune caches
 off, a fresh ``TORCHINDUCTOR_CACHE_DIR`` (every C++ kernel compiled by the compiler again), and,
@@ -108,17 +109,32 @@ def _warm_isa() -> None:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
-def _model(size: str):
+# The architectures, by their transformers classes (config, causal LM) and the options their
+# config needs beside the sizes: a dense decoder, an MoE one (4 experts, 2 per token), a parallel
+# residual one (attention and MLP read one norm's output and add into one residual) and one whose
+# forward carries transformers' ``deprecate_kwarg`` decorator.
+ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"use_parallel_residual": True}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1,
+                                               "eos_token_id": 2}),
+}
+
+
+def _model(size: str, arch: str = "llama"):
     import torch
     import transformers
 
     hidden, intermediate, layers, heads, kv, vocab, batch, seq = SIZES[size]
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
-                                   num_hidden_layers=layers, num_attention_heads=heads,
-                                   num_key_value_heads=kv, vocab_size=vocab,
-                                   max_position_embeddings=seq)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    config_class, model_class, extra = ARCHS[arch]
+    cfg = getattr(transformers, config_class)(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+        max_position_embeddings=seq, **extra)
+    model = getattr(transformers, model_class)(cfg).to(torch.bfloat16)
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     return model, ids
 
@@ -223,11 +239,11 @@ def _cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def measure(config: str, size: str) -> dict[str, Any]:
-    """One cold first step of ``config``: its compile seconds and phases."""
+def measure(config: str, size: str, arch: str = "llama") -> dict[str, Any]:
+    """One cold first step of ``config`` on ``arch``: its compile seconds and phases."""
     import torch
 
-    model, ids = _model(size)
+    model, ids = _model(size, arch)
     backend = _backend(config, model)
     phases = Phases()
     _instrument(phases)
@@ -248,18 +264,20 @@ def measure(config: str, size: str) -> dict[str, Any]:
     finally:
         phases.restore()
     step = statistics.median(steps[1:])
-    return {"config": config, "size": size, "first_step_s": steps[0], "step_s": step,
+    return {"config": config, "size": size, "arch": arch, "first_step_s": steps[0],
+            "step_s": step,
             "compile_s": steps[0] - step, "counts": phases.counts, "seconds": phases.seconds,
             "cpu": phases.cpu, "serial": _serial(),
             "first_step_cpu_s": cpu_s[0] if _serial() else None,
             "reports": len(getattr(getattr(backend, "partitioner", None), "reports", ()))}
 
 
-def _child(config: str, size: str) -> dict[str, Any]:
+def _child(config: str, size: str, arch: str) -> dict[str, Any]:
     """``measure`` in a process of its own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, __file__, "--child", config, "--size", size],
+    out = subprocess.run([sys.executable, __file__, "--child", config, "--size", size,
+                          "--arch", arch],
                          env=env, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{config}: exit {out.returncode}\n{out.stderr[-4000:]}")
@@ -344,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", default=None, choices=CONFIGS)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--arch", default="llama", choices=sorted(ARCHS))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--serial", action="store_true",
@@ -358,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _configure_cold()
         _warm_isa()
-        print(json.dumps(measure(args.child, args.size)))
+        print(json.dumps(measure(args.child, args.size, args.arch)))
         return 0
     if args.quick:
         runs = quick()
@@ -370,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for _ in range(args.runs):  # interleaved: a slow spell of the machine hits every config
             for config in configs:
-                runs.append(_child(config, args.size))
+                runs.append(_child(config, args.size, args.arch))
                 print(f"{config}: {runs[-1]['compile_s']:.2f} s", file=sys.stderr, flush=True)
     print(json.dumps(runs, indent=1) if args.json else table(runs))
     return 0

@@ -3,6 +3,8 @@
     PYTHONPATH=. python benchmarks/cuda_peak.py --model llama --size real --fp8 tensorwise
     PYTHONPATH=. python benchmarks/cuda_peak.py --model llama --size real --fp8 tensorwise \
         --order-backward off --live 15
+    PYTHONPATH=. python benchmarks/cuda_peak.py --model llama --size real --fp8 bf16 \
+        --partitioner torch     # torch's own min-cut, as plain torch.compile partitions
 
 Needs a CUDA build of torch (the PyPI wheels of torch 2.11 and 2.15 are; the CPU wheel of 2.13 is
 not) and triton; no GPU, driver or CUDA runtime is touched. graphpass.plan partitions the
@@ -148,15 +150,27 @@ def _sm90_patches(allocations: _Allocations) -> list:
     ]
 
 
-def partitioned(model_name: str, size: str, layers: int, options: dict[str, Any]
-                ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The forward and backward graphs graphpass.plan partitions for the example."""
+def partitioned(model_name: str, size: str, layers: int, options: dict[str, Any],
+                partitioner: str = "graphpass") -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward graphs graphpass.plan partitions for the example; with
+    ``partitioner="torch"``, those torch's own min-cut (what plain ``torch.compile`` runs) makes
+    of the same joint graph instead (``options`` must then leave FP8 off)."""
     backend_module = importlib.import_module("graphpass.backend")
+    pipeline = importlib.import_module("graphpass.pipeline")
     graphs: list = []
     real: Callable = backend_module.run
 
+    def torch_min_cut(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+                      static_lifetime_input_indices: Any, compiler: str, **_: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        fw, bw = min_cut_rematerialization_partition(
+            joint, joint_inputs, compiler=compiler, num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices)
+        return pipeline.Partition(fw, bw, None)
+
     def capturing(*args: Any, **kwargs: Any):
-        out = real(*args, **kwargs)
+        out = (real if partitioner == "graphpass" else torch_min_cut)(*args, **kwargs)
         graphs.append(out)
         return out
 
@@ -192,7 +206,7 @@ def _storage_bytes(tensors) -> int:
 
 
 def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: int = 1,
-                   live: int = 0) -> dict[str, Any]:
+                   live: int = 0, partitioner: str = "graphpass") -> dict[str, Any]:
     """The step's peak as Inductor's CUDA code allocates it: ``total`` (everything), ``above``
     (less weights, inputs and gradients), ``where`` (the wrapper line of the peak) and, with
     ``live``, the largest tensors the wrapper holds there."""
@@ -203,7 +217,7 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    fw, bw = partitioned(model_name, size, layers, options)
+    fw, bw = partitioned(model_name, size, layers, options, partitioner)
     allocations = _Allocations()
     allocations.live = live
     mode = FakeTensorMode()
@@ -271,14 +285,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="graphpass's memory option; 'default' is torch's own partitioner, what "
                         "plain torch.compile saves")
     p.add_argument("--live", type=int, default=0, help="list the N largest tensors at the peak")
+    p.add_argument("--partitioner", choices=("graphpass", "torch"), default="graphpass",
+                   help="'torch': torch's own min-cut of the same joint graph, as plain "
+                        "torch.compile partitions it (bf16 only)")
     args = p.parse_args(argv)
+    if args.partitioner == "torch" and args.fp8 != "bf16":
+        p.error("--partitioner torch partitions bf16 graphs only (--fp8 bf16)")
     options: dict[str, Any] = {"order_backward": args.order_backward == "on"}
     if args.memory:
         options["memory"] = args.memory
     if args.fp8 != "bf16":
         options.update(fp8=args.fp8, kernels=args.kernels)
-    got = cuda_step_peak(args.model, args.size, options, args.layers, args.live)
-    print(f"{args.model} {args.size}, {args.layers} layer(s), {args.fp8}, order_backward "
+    got = cuda_step_peak(args.model, args.size, options, args.layers, args.live,
+                         args.partitioner)
+    print(f"{args.model} {args.size}, {args.layers} layer(s), {args.fp8}, {args.partitioner}'s "
+          f"partition, order_backward "
           f"{args.order_backward}, torch {torch.__version__}: step peak {got['total']:,} B, "
           f"{got['above'] / 2**20:.2f} MiB above weights, inputs and gradients "
           f"({got['base']:,} B); activations after the forward {got['activations']:,} B")
