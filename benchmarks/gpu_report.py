@@ -11,7 +11,9 @@ compile, all in the same run), each with its measured activation memory next to
 ``graphpass.plan``'s prediction and its step peak; the 4-layer Llama at seq 8192 without offload,
 offloading every eligible tensor, and offloading only what hides under compute
 (``offload_hidden_only``; the targets judge that one); PASS/FAIL lines for the targets
-(``TARGETS`` below).
+(``TARGETS`` below). ``--sections model`` (not run by default: it needs a lease of its own) adds
+8 Llama layers trained with AdamW, bf16 against graphpass FP8 and torchao, with tokens/s and the
+peak above weights, gradients and optimizer state (``benchmarks/model_step.py``).
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes with graphpass's reference kernels and
 aot_eager in place of Inductor (and 2 offload layers instead of 4), so the script cannot rot
@@ -51,7 +53,9 @@ SECTIONS = ("## Machine", "## pytest -m gpu", "## Step time and activation memor
 TARGETS = {"llama": {"bf16": 1.25, "torchao": 1.05, "blockwise": 1.15},
            "gpt": {"bf16": 1.35, "torchao": 1.0}}
 MODEL_NAMES = {"llama": "Llama-3-8B layer, seq 8192", "gpt": "GPT-3 175B layer"}
-SECTION_KEYS = ("steps", "offload", "peak")
+SECTION_KEYS = ("steps", "offload", "peak", "model")
+# "model" (8 layers with AdamW, benchmarks/model_step.py) needs a lease of its own: asked by name
+DEFAULT_SECTIONS = ("steps", "offload", "peak")
 PLAN_TOLERANCE = 0.05
 OFFLOAD_PEAK_CUT = 0.30
 OFFLOAD_SLOWDOWN = 0.05
@@ -547,7 +551,7 @@ def build_report(*, dry_run: bool, models: list[str], steps: int | None = None,
                  budget_s: float = 480.0, pytest_timeout_s: int = 150,
                  run_pytest: bool = True, peak_budget_s: float = 240.0,
                  peak_only: bool = False, configs: list[str] | None = None,
-                 sections: tuple[str, ...] = SECTION_KEYS) -> str:
+                 sections: tuple[str, ...] = DEFAULT_SECTIONS, layers: int | None = None) -> str:
     """The markdown report. ``budget_s`` bounds the whole run: configs still waiting when it is
     spent are listed as skipped, so the report always comes out. ``configs`` and ``sections``
     pick a part of it (a GPU lease too short for the whole)."""
@@ -584,6 +588,15 @@ def build_report(*, dry_run: bool, models: list[str], steps: int | None = None,
         judge(report, by_model, None)
     if "peak" in sections:
         peak_section(report, mode, deadline + peak_budget_s)
+    if "model" in sections:
+        model_step = importlib.import_module("model_step")
+        layers = layers or (2 if dry_run else 8)
+        runs, label = model_step.run_all(layers=layers, dry_run=dry_run, steps=steps,
+                                         picked=lambda name: picked(name, configs))
+        report.add(model_step.table(runs, layers=layers, device_label=label, dry_run=dry_run,
+                                    targets=False))
+        for name, ok, detail in model_step.judge(runs):
+            report.target(f"{model_step.plural(layers)} with AdamW: {name}", ok, detail)
     report.add(f"_Report written in {time.monotonic() - start:.0f} s._", "")
     return report.markdown()
 
@@ -605,13 +618,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+",
                         help="only the step configs whose label contains one of these (the bf16 "
                              "baseline always runs)")
-    parser.add_argument("--sections", nargs="+", default=list(SECTION_KEYS), choices=SECTION_KEYS,
-                        help="the sections to run after pytest")
+    parser.add_argument("--sections", nargs="+", default=list(DEFAULT_SECTIONS),
+                        choices=SECTION_KEYS,
+                        help="the sections to run after pytest ('model': N Llama layers with "
+                             "AdamW, benchmarks/model_step.py, not run by default)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the model section's Llama layers (default 8, 2 dry run)")
     args = parser.parse_args(argv)
     text = build_report(dry_run=args.dry_run, models=args.models, steps=args.steps,
                         budget_s=args.budget_s, run_pytest=not args.no_pytest,
                         peak_only=args.peak_only, peak_budget_s=args.peak_budget_s,
-                        configs=args.configs, sections=tuple(args.sections))
+                        configs=args.configs, sections=tuple(args.sections),
+                        layers=args.layers)
     Path(args.out).write_text(text)
     print(text)
     print(f"written to {args.out}", file=sys.stderr)

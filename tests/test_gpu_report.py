@@ -118,3 +118,25 @@ def test_experts_benchmark_dry_run(tmp_path):
     assert "no per-expert loop in the FP8 rowwise step" in targets
     assert "no per-expert loop in the FP8 tensorwise e4m3 step" in targets
     assert "PASS" not in targets and "FAIL" not in targets
+
+
+def test_model_section_dry_run(tmp_path):
+    """The model section (N Llama layers with AdamW): the baseline and graphpass FP8 each time a
+    step, tokens/s beside it, and the three targets listed (memory is not measured on the CPU)."""
+    gpu_report = _load()
+    out = tmp_path / "report.md"
+    gpu_report.main(["--dry-run", "--no-pytest", "--sections", "model", "--layers", "1",
+                     "--steps", "1", "--configs", "graphpass FP8", "--out", str(out)])
+    text = out.read_text()
+    assert "## 1 Llama-3-8B layer with AdamW" in text
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([^|]+?) \|.*$", text, re.M)}
+    for label in ("bf16, torch.compile default", "graphpass FP8 tensorwise"):
+        cells = [c.strip() for c in rows[label].strip("|").split("|")]
+        assert re.fullmatch(r"\d+\.\d\d", cells[1]), rows[label]  # median ms
+        assert re.fullmatch(r"[\d,]+", cells[2]), rows[label]  # tokens/s
+        assert not cells[-1], rows[label]  # no failure note
+    assert "torchao float8" not in rows  # not picked
+    targets = text.split("## Targets", 1)[1]
+    assert "1 Llama-3-8B layer with AdamW: graphpass FP8 tokens/s at least 1.25x bf16's (" in targets
+    assert "NOT MEASURED: 1 Llama-3-8B layer with AdamW: graphpass FP8 peak at most 0.8x bf16's" in targets
+    assert "NOT MEASURED: 1 Llama-3-8B layer with AdamW: graphpass FP8 peak at most torchao's" in targets
