@@ -4,7 +4,7 @@ attention, MoE experts, shared experts, MLA up-projections.
 Recompute selections are phrased in Megatron-Core's ``recompute_modules`` vocabulary; this module
 turns each word into a set of joint-graph nodes from the graph's own structure, never from module
 paths, so a block written in one ``forward`` selects what the same block written with submodules
-selects (docs/memory.md#how-selections-are-recognised):
+selects (docs/memory/recompute.md#how-selections-are-recognised):
 
 * a **norm** is its arithmetic: ``native_layer_norm``/``_fused_rms_norm``, or a reciprocal
   square root of a mean (of squares, or a variance) over its input, with the multiplications and
