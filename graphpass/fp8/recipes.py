@@ -77,6 +77,11 @@ Special values, as TE's kernels do it:
   values underflow to 0.
 * An all-zero (or all-NaN) block: scale 1 (tensorwise/blockwise), E8M0 byte 0 (mxfp8: 2**-127,
   quantized with the multiplier 2**127); the data is zero either way.
+
+One module because it is one table of numerics: the ``Recipe`` value, the scale arithmetic and
+``quantize``/``dequantize``/``qdq`` follow the same TE formulas and are held bit-exact together
+(``tests/test_fp8_recipes.py``), and it is where recipe names are compared (outside it only two
+functions of ``Config`` do; ``tests/test_recipe_identity.py`` reads the sources for that).
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ selects (docs/memory/recompute.md#how-selections-are-recognised):
   latent) whose output reaches attention, with the rope and concatenation on the way.
 
 Module paths only name things in the report (and find the layers of ``full``).
+
+One module because every selection is a method of one ``Regions`` over shared walks of the
+joint graph (norms, chains, attention, MoEs: an MoE is found through its chains, ``mlp``
+through ``act``'s), which ``tests/test_regions.py`` holds as one answer per arithmetic.
+Attention written by hand (``_written_attention``, ``_carriers`` and the helpers after the
+class, about 150 lines) is the part that could move to a module of its own.
 """
 
 from __future__ import annotations
