@@ -2,7 +2,8 @@
 
 - every link between the docs resolves: a markdown link in README.md, DEVELOPERS.md or docs/ to a
   file of the repository and, with ``#anchor``, to one of its headings (GitHub's slugs); every
-  ``docs/<page>.md#anchor`` named in those docs or in graphpass/'s sources too;
+  ``docs/<page>.md#anchor`` named in those docs or in the Python sources (graphpass/, tests/,
+  benchmarks/, examples/, scripts/) too;
 - the docs (README.md, DEVELOPERS.md, docs/) and graphpass/'s sources narrate no history and cite
   no file outside the repository: fixed bugs, earlier runs and old numbers go to CHANGELOG.md;
 - a module of graphpass/ over 500 lines says why it is one module: a line of its docstring
@@ -43,6 +44,13 @@ def doc_files():
 
 def source_files():
     return sorted((ROOT / "graphpass").rglob("*.py"))
+
+
+def python_files():
+    """Every Python source that may name a doc (this test's own examples aside)."""
+    found = [p for d in ("graphpass", "tests", "benchmarks", "examples", "scripts")
+             for p in (ROOT / d).rglob("*.py")]
+    return sorted(p for p in found if p != Path(__file__).resolve())
 
 
 def rel(path):
@@ -128,7 +136,7 @@ def links(path):
 
 def test_every_link_resolves():
     bad = []
-    for path in doc_files() + source_files():
+    for path in doc_files() + python_files():
         for target, base in links(path):
             why = broken(target, base)
             if why and (rel(path), target) not in KNOWN_BROKEN:
