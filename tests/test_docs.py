@@ -66,22 +66,25 @@ def slug(heading):
     return text.replace(" ", "-")
 
 
-def without_code(text):
-    """The markdown outside fenced code blocks and inline code spans (neither holds links)."""
+def without_code(text, spans=True):
+    """The markdown outside fenced code blocks and, with ``spans``, inline code spans (neither
+    holds links or headings)."""
     out, fenced = [], False
     for line in text.split("\n"):
         if line.lstrip().startswith(("```", "~~~")):
             fenced = not fenced
             out.append("")
             continue
-        out.append("" if fenced else re.sub(r"`[^`]*`", "", line))
+        out.append("" if fenced else re.sub(r"`[^`]*`", "", line) if spans else line)
     return "\n".join(out)
 
 
 def anchors(path, _cache={}):
+    """The anchors of ``path``'s headings (a repeated heading's get ``-1``, ``-2``, ...) and of
+    its ``<a name=...>`` tags."""
     if path not in _cache:
         seen, found = {}, set()
-        for line in without_code_fences(path.read_text()).split("\n"):
+        for line in without_code(path.read_text(), spans=False).split("\n"):
             m = re.match(r" {0,3}#{1,6} +(.*?) *#* *$", line)
             if m:
                 base = slug(m.group(1))
@@ -91,17 +94,6 @@ def anchors(path, _cache={}):
         found |= set(re.findall(r"""<a (?:name|id)=["']([^"']+)["']""", path.read_text()))
         _cache[path] = found
     return _cache[path]
-
-
-def without_code_fences(text):
-    out, fenced = [], False
-    for line in text.split("\n"):
-        if line.lstrip().startswith(("```", "~~~")):
-            fenced = not fenced
-            out.append("")
-            continue
-        out.append("" if fenced else line)
-    return "\n".join(out)
 
 
 def broken(target, base):
