@@ -10,8 +10,8 @@ to the unbudgeted peak. A row gives the predicted peak, the partitions the searc
 choices it kept and what they add by the H100 roofline (all read from the budget's summary in
 the report), and the wall time of the compile. ``--real`` adds the 4-layer Llama-3-8B FP8
 tensorwise step at seq 8192 on fake tensors (``graphpass.plan``), at 98%, 95% and 90% of its
-unbudgeted peak, with every choice the budget kept and its summary. docs/memory.md#memory_budget
-has the numbers.
+unbudgeted peak, with every choice the budget kept and its summary.
+docs/memory/memory-budget.md#memory_budget has the numbers.
 """
 
 from __future__ import annotations

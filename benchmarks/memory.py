@@ -37,8 +37,8 @@ import torch  # noqa: E402
 import graphpass  # noqa: E402
 from graphpass.report import format_bytes  # noqa: E402
 
-# Megatron-Core sets save_original_input on these linears (shared/reference/transformer-engine.md
-# §4): the attention output projection always under FP8, the linears reading a recomputed norm
+# Megatron-Core sets save_original_input on these linears: the attention output projection
+# always under FP8, the linears reading a recomputed norm
 # (qkv, MLA down-projections, dense fc1, shared-expert fc1).
 MEGATRON_SAVE_ORIGINAL = {
     "llama": ("*.o_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.mlp.gate_proj", "*.mlp.up_proj"),

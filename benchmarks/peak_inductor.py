@@ -11,7 +11,7 @@ does not). One thread: the CPU attention and bf16 GEMM kernels allocate per-thre
 inside the op, which no graph shows. ``.grad`` is left unset, so the gradients the backward
 returns become it, as the prediction counts. tests/test_peak.py asserts the Llama and GPT rows
 at two layers within 0.1%, the DeepSeek one within 1% (the CPU attention backward's per-thread
-buffers, inside the op; docs/memory.md, "Under Inductor").
+buffers, inside the op; docs/memory/step-peak.md, "Under Inductor").
 """
 
 from __future__ import annotations

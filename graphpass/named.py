@@ -106,8 +106,8 @@ def __getattr__(name: str) -> NamedBackend:
 
 def register() -> None:
     """Register the names that no installed entry point of ours provides (a source tree, or an
-    install that predates a name). torch loads our entry points by itself on first use, and
-    registering such a name here too would make its registry refuse the duplicate."""
+    install whose entry points lack a name). torch loads our entry points by itself on first use,
+    and registering such a name here too would make its registry refuse the duplicate."""
     from importlib.metadata import entry_points
 
     ours = {ep.name for ep in entry_points(group="torch_dynamo_backends")

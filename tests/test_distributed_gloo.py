@@ -319,7 +319,7 @@ def test_memory_passes_on_a_tp_sharded_block_are_bit_identical(tp, plan):
                # `mlp` is recognised from the graph (GEMMs around an activation chain), which
                # starts at the GEMMs: the sequence-parallel all-gather of the MLP's input is not
                # part of it, so the gathered FP8 input is saved and the backward runs no third
-               # all-gather (Megatron's recompute re-runs it; docs/memory.md)
+               # all-gather (Megatron's recompute re-runs it; docs/memory/recompute.md)
                "mlp": ["recomputed: mlp in backward: mlp, mlp.down_proj, mlp.gate_proj, mlp.up_proj",
                        "collectives in the backward: all_gather_into_tensor x2 (32.00 KiB out), "
                        "all_reduce x2 (8 B out), reduce_scatter_tensor x2 (32.00 KiB out)"]}[plan]

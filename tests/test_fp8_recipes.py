@@ -1,7 +1,8 @@
 """graphpass.fp8.recipes against hand-computed Transformer Engine numerics.
 
-Expected values are worked out by hand from the rules in
-/work/shared/reference/transformer-engine.md §5, never produced by the code under test.
+Expected values are worked out by hand from the rules of Transformer Engine's quantize kernels
+(``transformer_engine/common``: the cast kernels and their scale computation), never produced by
+the code under test.
 Bit patterns: E4M3 is s|eeee|mmm with bias 7 (0x7E = 448, 0x38 = 1, 0x01 = 2**-9);
 E5M2 is s|eeeee|mm with bias 15 (0x7B = 57344, 0x3C = 1, 0x01 = 2**-16).
 """

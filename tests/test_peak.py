@@ -435,8 +435,8 @@ def test_backward_order_lowers_the_peak_inductors_code_reaches():
     ``test_predicted_peak_matches_inductors_code``); the ordered step's peak is in the CPU
     attention backward, and the prediction is short by exactly that kernel's per-thread buffers,
     which no graph shows (one thread, fp32, seq 256: blocks of 64 queries by 256 keys, two
-    such matrices and a row of 64; DeepSeek's rows in docs/memory.md, at seq 512, are short by
-    the same buffers at 64 by 512)."""
+    such matrices and a row of 64; DeepSeek's rows in docs/memory/step-peak.md, at seq 512, are
+    short by the same buffers at 64 by 512)."""
     import dataclasses
 
     from benchmarks.peak_inductor import allocator_peak

@@ -23,8 +23,8 @@ def guard_cpp_loop_split() -> None:
     (128, 512), a quantize's rowwise and columnwise copies fused into one kernel, end in
     ``AssertionError: ({y0: 512, y1: 1, y2: 128}, {y0: 128, y1: 4, y2: 128})`` (torch 2.13;
     2.11 has no assertion there). The guard leaves such groups unsplit, as torch itself does
-    for any group it cannot split; every other group is split as before. It wraps the method
-    on torch's class, so it holds for every compile in the process once installed (by
+    for any group it cannot split; every other group is split as torch splits it. It wraps the
+    method on torch's class, so it holds for every compile in the process once installed (by
     ``fp8.inductor.post_grad_pass``): only the groups above compile differently.
     """
     try:

@@ -1,6 +1,6 @@
 """cuBLASLt's rules for FP8 GEMM operands that the CPU emulations do not enforce, shared by the
-``scaled_mm`` and ``te`` providers (both end in cuBLASLt). Both were found on an H100
-(2026-11-23) and are guarded on the CPU by ``tests/test_fp8_experts.py``:
+``scaled_mm`` and ``te`` providers (both end in cuBLASLt). Both show on an H100 (torch 2.11) and
+are guarded on the CPU by ``tests/test_fp8_experts.py``:
 
 * the contraction dimension must be a multiple of 16 (a token group's wgrad contracts over its
   own tokens, e.g. 100): zero columns appended to both operands add nothing, so padding is exact;

@@ -3,6 +3,12 @@
 They stay separate nodes so the partitioner sees the 1-byte tensors between them and can save,
 recompute or offload them like any other value. Both have fake implementations (shapes only) and
 the GEMM has a FLOP formula, so torch's partitioner and its budget solver can cost them.
+
+One module because it registers the graph ops (``torch.library.custom_op``): each op's eager
+code, fake implementation and FLOP formula sit beside its registration, and the quantize op
+dispatches every layout (dense, 3-D experts, token groups) from one function. The token-group
+paths (``_quantize_groups*``, about 250 lines) are the part that could move to a module of
+their own.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ both contiguous, where dequantization is ``data * scale_inv`` broadcast over eac
 * rowwise: ``data`` is (M, K), blocks run along K (the last dimension).
 * columnwise (``columnwise=True``): for *every* recipe, the rowwise quantization of ``x.t()``:
   ``data`` is (K, M) and blocks run along M, i.e. down the columns of ``x``. This is the operand
-  a TN-only GEMM needs for wgrad (``dW = dYᵀ·X``). Relation to TE's storage (§1):
+  a TN-only GEMM needs for wgrad (``dW = dYᵀ·X``). Relation to TE's storage:
 
   - tensorwise: identical to TE's ``_transpose`` (same scale as the rowwise copy);
   - blockwise: identical to TE's transposed columnwise data (both copies are quantized from high
@@ -77,6 +77,11 @@ Special values, as TE's kernels do it:
   values underflow to 0.
 * An all-zero (or all-NaN) block: scale 1 (tensorwise/blockwise), E8M0 byte 0 (mxfp8: 2**-127,
   quantized with the multiplier 2**127); the data is zero either way.
+
+One module because it is one table of numerics: the ``Recipe`` value, the scale arithmetic and
+``quantize``/``dequantize``/``qdq`` follow the same TE formulas and are held bit-exact together
+(``tests/test_fp8_recipes.py``), and it is where recipe names are compared (outside it only two
+functions of ``Config`` do; ``tests/test_recipe_identity.py`` reads the sources for that).
 """
 
 from __future__ import annotations
@@ -158,7 +163,7 @@ _MX_BLOCK = 32
 
 
 def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an fp8 dtype: 448 (E4M3), 57344 (E5M2) (§5 "Formats")."""
+    """Largest finite value of an fp8 dtype: 448 (E4M3), 57344 (E5M2)."""
     if dtype not in (E4M3, E5M2):
         raise ValueError(f"not an fp8 dtype: {dtype}; expected {E4M3} or {E5M2}")
     return torch.finfo(dtype).max
@@ -253,7 +258,7 @@ class Recipe:
         return self.fp8_format == "E4M3"
 
     def dtype(self, role: Role) -> torch.dtype:
-        """The fp8 dtype of ``role``: E5M2 only for gradients under HYBRID (§5)."""
+        """The fp8 dtype of ``role``: E5M2 only for gradients under HYBRID."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; valid roles are: "
                              + ", ".join(map(repr, ROLES)))
@@ -262,7 +267,7 @@ class Recipe:
     def block(self, role: Role) -> tuple[int, int] | None:
         """(rows, cols) of one scaling block of ``role``'s quantized data; None for one scale per
         tensor. Blockwise: 128x128 for weights (``w_block_scaling_dim=2``), else 1x128; mxfp8:
-        1x32 (§5). Rowwise has no fixed block (a whole row, of any length): callers ask
+        1x32. Rowwise has no fixed block (a whole row, of any length): callers ask
         ``per_row`` first, and this raises for it."""
         self.dtype(role)  # validates the role
         if self.scaling is Scaling.TENSORWISE:
@@ -277,7 +282,7 @@ class Recipe:
     @property
     def multiple(self) -> int:
         """What the FP8 GEMM needs GEMM dimensions to be multiples of: 16 (tensorwise, Hopper
-        leading dimensions, §1), 128 (blockwise) or 32 (mxfp8, §5). ``quantize`` itself enforces
+        leading dimensions), 128 (blockwise) or 32 (mxfp8). ``quantize`` itself enforces
         only mxfp8's; blockwise pads partial blocks. Rowwise: 16, as tensorwise (both
         ``torch._scaled_mm`` and ``torch._scaled_grouped_mm`` need K and N multiples of 16)."""
         return {Scaling.TENSORWISE: 16, Scaling.BLOCKWISE: 128, Scaling.MXFP8: _MX_BLOCK,
@@ -435,7 +440,7 @@ def is_rowwise(recipe: Recipe | str) -> bool:
 
 
 def fp8_dtype(recipe: Recipe | str, role: Role) -> torch.dtype:
-    """The fp8 dtype of ``role`` under ``recipe``: E5M2 only for gradients under HYBRID (§5)."""
+    """The fp8 dtype of ``role`` under ``recipe``: E5M2 only for gradients under HYBRID."""
     return as_recipe(recipe).dtype(role)
 
 
@@ -457,7 +462,7 @@ def compute_scale_from_amax(
     amax_epsilon: float = 0.0,
     value_for_inf: float = _FLT_MAX,
 ) -> torch.Tensor:
-    """TE's ``compute_scale_from_amax`` (recipe_common.cuh, §5), elementwise on fp32 ``amax``.
+    """TE's ``compute_scale_from_amax`` (recipe_common.cuh), elementwise on fp32 ``amax``.
 
     The amax is floored at ``amax_epsilon``; an amax of 0, inf or NaN gives scale 1; otherwise
     ``max_fp8 / amax`` (IEEE fp32 division), with an overflow to inf replaced by ``value_for_inf``
@@ -486,7 +491,7 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
 
 def float_to_e8m0(val: torch.Tensor) -> torch.Tensor:
-    """TE's ``float_to_e8m0`` (ptx_arch_spec.cuh, §5) of fp32 ``val >= 0``, as uint8.
+    """TE's ``float_to_e8m0`` (ptx_arch_spec.cuh) of fp32 ``val >= 0``, as uint8.
 
     The fp32 exponent, incremented when the mantissa is non-zero (rounding the power of two up),
     saturating at 254 (2**127); 0 -> 0 and subnormals up to 2**-127 -> 0, inf -> 254, NaN -> 255.
@@ -627,7 +632,7 @@ def quantize(
 
     ``columnwise=False``: data (M, K), blocks along K. ``columnwise=True``: the quantization of
     ``x.t()``, data (K, M), blocks along M. Scale shapes and dtypes: see the module docstring.
-    All arithmetic is fp32 on the upcast input, as in TE's kernels (§5: ``q = fp8(x·scale)``,
+    All arithmetic is fp32 on the upcast input, as in TE's kernels (``q = fp8(x·scale)``,
     ``scale_inv = 1/scale``; mxfp8: ``q = fp8(x·2**(127-e))``).
 
     ``amax`` (tensorwise only): the fp32 amax to scale by instead of ``x``'s own, e.g. the max

@@ -3,7 +3,7 @@
 graphpass quantizes in its own graph nodes, bit-exact with TE's recipes, and hands TE's
 ``general_gemm`` the 1-byte operands wrapped in TE's storage class, so the partitioner keeps
 seeing (and saving) plain tensors. Both operands are K-major, which is TE's ``"TN"`` layout:
-``general_gemm(A, B, layout="TN")`` computes ``B @ A.T`` (§1 of the TE reference notes), so
+``general_gemm(A, B, layout="TN")`` computes ``B @ A.T``, so
 ``a @ b.T`` is ``general_gemm(b, a)``.
 
 The GEMMs of a grouped or batched ``fp8_gemm`` (MoE experts: one per token group or expert, and

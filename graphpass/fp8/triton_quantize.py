@@ -67,6 +67,10 @@ the torch code's bits, the integer one 5% slower for both copies.
 Triton is optional: without it this module imports and ``available`` says so. The kernels are
 defined when this module is imported, and ``triton.jit`` decides then whether they run under the
 interpreter: ``TRITON_INTERPRET=1`` must be in the environment before that import.
+
+One module because its kernels, their launch configurations and the host-side checks that route
+a weight to them share one set of layouts and bounds; this docstring, which derives them, is
+about a seventh of it.
 """
 from __future__ import annotations
 

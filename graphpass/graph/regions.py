@@ -4,7 +4,7 @@ attention, MoE experts, shared experts, MLA up-projections.
 Recompute selections are phrased in Megatron-Core's ``recompute_modules`` vocabulary; this module
 turns each word into a set of joint-graph nodes from the graph's own structure, never from module
 paths, so a block written in one ``forward`` selects what the same block written with submodules
-selects (docs/memory.md#how-selections-are-recognised):
+selects (docs/memory/recompute.md#how-selections-are-recognised):
 
 * a **norm** is its arithmetic: ``native_layer_norm``/``_fused_rms_norm``, or a reciprocal
   square root of a mean (of squares, or a variance) over its input, with the multiplications and
@@ -23,6 +23,12 @@ selects (docs/memory.md#how-selections-are-recognised):
   latent) whose output reaches attention, with the rope and concatenation on the way.
 
 Module paths only name things in the report (and find the layers of ``full``).
+
+One module because every selection is a method of one ``Regions`` over shared walks of the
+joint graph (norms, chains, attention, MoEs: an MoE is found through its chains, ``mlp``
+through ``act``'s), which ``tests/test_regions.py`` holds as one answer per arithmetic.
+Attention written by hand (``_written_attention``, ``_carriers`` and the helpers after the
+class, about 150 lines) is the part that could move to a module of its own.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class Row:
         if "decisions" in data:
             decisions = tuple(Decision.from_dict(d) for d in data["decisions"])
         else:
-            # a report written before decisions were typed: its text, shown as it was
+            # a report JSON without typed decisions: its decision text, shown as written
             text = data.get("decision", "saved")
             decisions = () if text == "saved" else (Decision(What.SAVED, "", text),)
         return cls(**{**fields, "shape": tuple(data["shape"]), "consumers": tuple(data["consumers"]),
