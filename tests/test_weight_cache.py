@@ -280,6 +280,41 @@ def test_cached_and_uncached_steps_are_bit_identical_on_cuda():
     assert _same_bits(*grads)
 
 
+def test_the_cached_lookup_runs_outside_cuda_graphs():
+    """Tagged cudagraph-unsafe: Inductor's graph partition runs it outside the captured graphs
+    (a replayed lookup would return the copies of the step it was captured in)."""
+    assert torch.Tag.cudagraph_unsafe in weight_cache.QUANTIZE_WEIGHT.tags
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.graphpass.quantize.default.tags
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_weight_cache_under_cuda_graphs_is_never_stale():
+    """Inductor's CUDA graphs on: two optimizer steps of four micro-batches each, with the cache
+    and without, give the same gradient bits at each step: the second step's micro-batches read
+    the copies of the updated weights, not those of the step the graphs were captured in."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._scaled_grouped_mm needs sm90+")
+    from torch._inductor import config as inductor_config
+
+    grads = {}
+    for cache in (False, True):
+        model, (x, offs) = _experts.build("tiny", device="cuda")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        torch._dynamo.reset()
+        weight_cache.clear()
+        with inductor_config.patch({"triton.cudagraphs": True}):
+            compiled = torch.compile(model, backend=graphpass.backend(
+                fp8="rowwise", kernels="scaled_mm", fp8_weight_cache=cache))
+            for step in range(2):
+                optimizer.zero_grad(set_to_none=True)
+                _accumulate(compiled, x.detach(), offs, step)
+                grads[cache, step] = _grads(model)
+                optimizer.step()
+    for step in range(2):
+        assert _same_bits(grads[False, step], grads[True, step]), step
+
+
 # --- fp8_weight_cache="auto": the weights the memory budget chooses ------------------------------
 
 def _mlp():

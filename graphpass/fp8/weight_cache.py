@@ -25,6 +25,10 @@ reuse and in-place updates): ``_compat.register_persistent_outputs`` marks them.
 backward reads the copies it needs through the op again (the pass tags it must-recompute: a
 lookup, nothing saved), so no cached tensor is ever a saved tensor AOTAutograd could donate to
 the backward's buffer reuse.
+
+CUDA graphs (Inductor's ``triton.cudagraphs``, ``mode="reduce-overhead"``): the op is tagged
+``cudagraph_unsafe``, so it runs on every step outside the captured graphs, which replay the
+rest; a captured lookup would replay the copies of the step it was captured in.
 """
 
 from __future__ import annotations
@@ -122,8 +126,12 @@ def _quantize_weight(w: Tensor, recipe: str, role: str, usage: str) -> list[Tens
     return _cached(w, recipe, role, usage, ops._quantize_op)
 
 
+# CUDA graphs replay kernels without the Python that chose them: a replay would return the copies
+# of the step it was captured in, stale after the optimizer step. Tagged cudagraph-unsafe, the op
+# runs outside them: Inductor's graph partition (its default) captures the code around it, and
+# without the partition Inductor leaves the graph out of CUDA graphs.
 quantize_weight = torch.library.custom_op("graphpass::quantize_weight", _quantize_weight,
-                                          mutates_args=())
+                                          mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 quantize_weight.register_fake(lambda w, recipe, role, usage: ops._quantize_fake(
     w, recipe, role, usage))
 
