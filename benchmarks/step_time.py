@@ -46,8 +46,14 @@ def run_config(model_name: str, label: str, options: dict[str, object] | None, s
                warmup: int = WARMUP) -> Result:
     """One config's step: ``options`` are graphpass's, or None for torch.compile's default
     (Inductor with torch's own partitioner, no graphpass), or ``{"torchao": True}`` for torchao
-    float8 training under torch.compile's default."""
+    float8 training under torch.compile's default; ``"cudagraphs": True`` among them (or alone,
+    for torch.compile's default) compiles and runs under Inductor's CUDA graphs
+    (``triton.cudagraphs``; nothing under aot_eager)."""
     result = Result(model_name, label)
+    options = dict(options) if options is not None else None
+    cudagraphs = bool(options and options.pop("cudagraphs", False))
+    if options == {}:  # CUDA graphs alone: torch.compile's default
+        options = None
     if options is None or options.get("torchao"):
         backend = "inductor" if codegen == "inductor" else "aot_eager"
     else:
@@ -70,7 +76,8 @@ def run_config(model_name: str, label: str, options: dict[str, object] | None, s
             return result
         convert_to_float8_training(model)
     compiled = torch.compile(model, backend=backend)
-    return measure(result, model, inputs, compiled, device, steps, warmup)
+    with torch._inductor.config.patch({"triton.cudagraphs": cudagraphs}):
+        return measure(result, model, inputs, compiled, device, steps, warmup)
 
 
 def main() -> None:
