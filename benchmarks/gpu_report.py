@@ -7,8 +7,8 @@ Sections: the ``pytest -m gpu`` results; the step time of the real-size Llama-3-
 (seq 8192) and GPT-3 layer per config (bf16 under Inductor's default, graphpass bf16, graphpass
 FP8 tensorwise with scaled_mm as by default (every quantize fused, fast forward accumulation),
 with opaque quantizes, with precise accumulation everywhere, blockwise, torchao float8 +
-compile, bf16 and the FP8 default again under Inductor's CUDA graphs, all in the same run), each with its measured activation memory next to
-``graphpass.plan``'s prediction and its step peak; the 4-layer Llama at seq 8192 without offload,
+compile, bf16 and the FP8 default again under Inductor's CUDA graphs, all in the same run), each
+with its measured activation memory next to ``graphpass.plan``'s prediction and its step peak; the 4-layer Llama at seq 8192 without offload,
 offloading every eligible tensor, and offloading only what hides under compute
 (``offload_hidden_only``; the targets judge that one); PASS/FAIL lines for the targets
 (``TARGETS`` below). ``--sections model`` (not run by default: it needs a lease of its own) adds
