@@ -7,7 +7,7 @@
 
 from ._version import __version__
 from .backend import backend
-from .config import Config
+from .config import FP8, ActivationCache, Config, MemoryPlan, Offload, Recompute
 from .decisions import Decision, What
 from .fp8.weight_cache import clear as clear_weight_cache, stats as weight_cache_stats
 from .pipeline import partition
@@ -20,6 +20,6 @@ from .named import register as _register
 
 _register()
 
-__all__ = ["backend", "clear_weight_cache", "Config", "Decision", "EmptySelectionWarning",
-           "partition", "plan", "last_report", "Report", "Row", "weight_cache_stats", "What",
-           "__version__"]
+__all__ = ["ActivationCache", "backend", "clear_weight_cache", "Config", "Decision",
+           "EmptySelectionWarning", "FP8", "MemoryPlan", "Offload", "partition", "plan",
+           "last_report", "Recompute", "Report", "Row", "weight_cache_stats", "What", "__version__"]

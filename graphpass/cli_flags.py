@@ -1,6 +1,7 @@
-"""Command-line flags generated from the ``Config`` dataclass, so new fields need no CLI change.
+"""Command-line flags generated from ``Config``'s keywords (the fields of its option groups, by
+their ``config.SHORTHAND`` names), so new fields need no CLI change.
 
-Each field becomes ``--field-name`` with a syntax chosen by its type (see :func:`config_flags`);
+Each keyword becomes ``--field-name`` with a syntax chosen by its type (see :func:`config_flags`);
 the same syntax serves ``key=value`` policy items (:func:`parse_policy`).
 """
 
@@ -9,12 +10,13 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import typing
 from typing import Any, Callable, Sequence
 
-from .config import CHOICES, ITEM_CHOICES, Config
+from .config import CHOICES, ITEM_CHOICES, Config, option_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,31 +39,33 @@ def config_flags(
     choices: dict[str, tuple[Any, ...]] = CHOICES,
     item_choices: dict[str, tuple[str, ...]] = ITEM_CHOICES,
 ) -> list[ConfigFlag]:
-    """A flag per dataclass field, so fields added to ``Config`` appear without touching the CLI.
+    """A flag per keyword of ``Config`` (``config.option_fields``; for another dataclass, per
+    field), so fields added to ``Config``'s groups appear without touching the CLI.
 
     Choice fields take one of ``choices[name]`` (``None`` written ``none``), bools are
     ``--x/--no-x``, ``tuple[str, ...]`` fields are comma-separated (items checked against
     ``item_choices[name]``), ints, floats and strings are taken as such, and ``X | None`` also
     takes ``none``. Any other field type is a TypeError here rather than a silently missing flag.
     """
-    hints = typing.get_type_hints(config_cls)
-    docs = _field_docs(config_cls)
+    fields = (option_fields() if config_cls is Config
+              else [(f.name, config_cls, f) for f in dataclasses.fields(config_cls)])
     flags = []
-    for f in dataclasses.fields(config_cls):
-        if f.name in choices:
-            convert, metavar = _choice(choices[f.name]), "{" + ",".join(map(show, choices[f.name])) + "}"
-        elif f.name in item_choices:
-            convert, metavar = _items(item_choices[f.name]), "{" + ",".join(item_choices[f.name]) + "},..."
+    for name, owner, f in fields:
+        hint = typing.get_type_hints(owner)[f.name]
+        if name in choices:
+            convert, metavar = _choice(choices[name]), "{" + ",".join(map(show, choices[name])) + "}"
+        elif name in item_choices:
+            convert, metavar = _items(item_choices[name]), "{" + ",".join(item_choices[name]) + "},..."
         else:
-            known = _typed(hints[f.name])
+            known = _typed(hint)
             if known is None:
                 raise TypeError(
-                    f"{config_cls.__name__}.{f.name} has type {hints[f.name]!r}, which the CLI cannot "
+                    f"{owner.__name__}.{f.name} has type {hint!r}, which the CLI cannot "
                     "express as a flag: give it CHOICES or a bool/int/float/str/tuple[str, ...] type "
                     "(or one of those | None)")
             convert, metavar = known
-        help_text = f"{docs.get(f.name, '')} (default: {_default(f)})".strip()
-        flags.append(ConfigFlag(f.name, convert, metavar, hints[f.name] is bool, help_text.replace("%", "%%")))
+        help_text = f"{_field_docs(owner).get(f.name, '')} (default: {_default(f)})".strip()
+        flags.append(ConfigFlag(name, convert, metavar, hint is bool, help_text.replace("%", "%%")))
     return flags
 
 
@@ -194,6 +198,7 @@ def _argtype(fl: ConfigFlag) -> Callable[[str], Any]:
     return parse
 
 
+@functools.lru_cache(maxsize=None)
 def _field_docs(cls: type) -> dict[str, str]:
     """The attribute docstrings of a dataclass (the string after each field), for ``--help``."""
     try:

@@ -23,6 +23,8 @@ class What(enum.Enum):
     """What was decided or observed. Each value is the text the report shows for a decision, with
     its ``module``, ``why`` and ``by`` filled in."""
 
+    # the config: an option that has no effect under the others (``Config.unused``)
+    UNUSED = "unused: {why}"
     # the FP8 lowering
     LOWERED = "lowered: {module} ({why})"
     NOT_LOWERED = "not lowered: {module}: {why}"

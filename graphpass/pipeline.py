@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from . import _compat
 from .config import Config, given
-from .decisions import Plan
+from .decisions import Decision, Plan, What
 from .graph.joint import primals as primals_of, static_primal_positions
 from .min_cut import exact_partition, min_cut, partition_peak
 from .passes.canonicalize import canonicalize
@@ -98,6 +98,8 @@ def run(
     # Positions among the primals: a DTensor parameter flattens into several (torch 2.13+).
     static = static_primal_positions(primals, list(static_lifetime_input_indices or []))
     plan = Plan(primals=primals, parameters={primals[i] for i in static})
+    for unused in config.unused():
+        plan.decide(Decision(What.UNUSED, "config", str(unused)))
     plan.exact_partition = lambda graph: exact_partition(
         graph, joint_inputs, plan=plan, config=config, num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static, compiler=compiler)

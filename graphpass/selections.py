@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
-from .config import Config
+from .config import DEFAULTS, Config
 from .graph.regions import LOOKS_FOR
 
 _CACHE_LOOKS_FOR = {
@@ -29,11 +29,11 @@ def expected(config: Config) -> dict[tuple[str, str], str]:
     routers, which many models lack) and where the option is in effect."""
     out = {("recompute", w): LOOKS_FOR.get(w, "its nodes") for w in config.recompute}
     if config.recompute:
-        default = Config.__dataclass_fields__["recompute_include"].default
+        default = DEFAULTS["recompute_include"]
         out |= {("recompute_include", p): "module paths of the nodes the recompute words selected"
                 for p in config.recompute_include if p not in default}
     if config.fp8 is not None:
-        default = Config.__dataclass_fields__["fp8_exclude"].default
+        default = DEFAULTS["fp8_exclude"]
         out |= {("fp8_exclude", p): "module paths of linear layers"
                 for p in config.fp8_exclude if p not in default}
     if config.fp8 is not None and config.fp8_weight_cache is True:  # "auto": the planner's notes

@@ -95,9 +95,11 @@ def test_fp8_format_is_validated():
     assert [recipes.fp8_dtype("tensorwise_e4m3", r) for r in recipes.ROLES] == [recipes.E4M3] * 3
     assert recipes.fp8_dtype("tensorwise", "grad") == recipes.E5M2
     for fp8 in (None, "rowwise", "blockwise", "mxfp8"):
-        with pytest.raises(ValueError, match="fp8_format='e4m3' has no effect without "
-                                             "fp8='tensorwise'"):
-            graphpass.Config(fp8=fp8, fp8_format="e4m3")
+        ignored = graphpass.Config(fp8=fp8, fp8_format="e4m3")
+        assert [str(u) for u in ignored.unused()] == [
+            "fp8_format='e4m3' has no effect without fp8='tensorwise' (the other recipes are E4M3 "
+            "in every role already)"]
+        assert ignored.fp8_recipe == graphpass.Config(fp8=fp8).fp8_recipe
     with pytest.raises(ValueError, match="fp8_format='E4M3'; valid values are: 'hybrid', 'e4m3'"):
         graphpass.Config(fp8="tensorwise", fp8_format="E4M3")
     from graphpass.backend import Partitioner
@@ -111,8 +113,9 @@ def test_rowwise_options_are_validated():
     assert graphpass.Config(fp8="rowwise", fp8_pow2_scales=True).fp8_recipe == "rowwise_pow2"
     assert graphpass.Config(fp8="rowwise").fp8_recipe == "rowwise"
     assert graphpass.Config(fp8="rowwise", kernels="scaled_mm").kernels == "scaled_mm"
-    with pytest.raises(ValueError, match="fp8_pow2_scales=True has no effect without fp8='rowwise'"):
-        graphpass.Config(fp8="tensorwise", fp8_pow2_scales=True)
+    assert [str(u) for u in graphpass.Config(fp8="tensorwise", fp8_pow2_scales=True).unused()] == [
+        "fp8_pow2_scales=True has no effect without fp8='rowwise' or fp8='blockwise' (mxfp8's E8M0 "
+        "scales are powers of two by construction, tensorwise's are not rounded)"]
     with pytest.raises(ValueError, match="Transformer Engine has no rowwise"):
         graphpass.Config(fp8="rowwise", kernels="te")
     with pytest.raises(ValueError, match="expected a bool"):

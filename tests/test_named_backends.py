@@ -90,8 +90,9 @@ def test_variable_syntax(text, expected):
     ("fp8", r"expected space-separated key=value items"),
     ("{fp8: 1}", r"not a JSON object"),
     ('["fp8"]', r"unknown option|expected space-separated"),
-    ("offload_min_bytes=1", r"offload_min_bytes=1 has no effect without offload=True.*"
-                            r"\(from GRAPHPASS_OPTIONS='offload_min_bytes=1' on backend 'graphpass_fp8'\)"),
+    ("fp8=rowwise kernels=te", r"kernels='te' with fp8='rowwise': Transformer Engine has no rowwise.*"
+                               r"\(from GRAPHPASS_OPTIONS='fp8=rowwise kernels=te' on backend "
+                               r"'graphpass_fp8'\)"),
     ('{"codgen": "eager"}', r"unknown graphpass option\(s\) 'codgen'; valid options are: codegen"),
 ])
 def test_a_bad_variable_is_one_value_error_naming_the_fix(monkeypatch, text, message):

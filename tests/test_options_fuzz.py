@@ -1,11 +1,13 @@
-"""Fuzzed options and inputs: every invalid option or combination is one ValueError that names the
+"""Fuzzed options and inputs: every invalid option or contradiction is one ValueError that names the
 fix, never a traceback from torch internals; every valid one plans a model.
 
-Judged on the options alone: unknown names, values outside a field's choices or type, and options
-that do nothing without another (``offload_stream`` without ``offload``, ``save_original_modules``
-without ``fp8``, ``recompute_method`` without ``"full"``...). Judged on the graph: a recompute
-word that selects nothing there is a report note, not an error, because one model compiles to
-several graphs (graph breaks, the head) and a word may rightly match in only some of them.
+Judged on the options alone: unknown names, values outside a field's choices or type, and
+contradictions (``kernels="te"`` with ``fp8="rowwise"``). An option that does nothing without
+another (``offload_stream`` without ``offload``, ``save_original_modules`` without ``fp8``,
+``recompute_method`` without ``"full"``...) is a report note, not an error: a sweep over ``fp8``
+(None included) keeps its other options at every point. Judged on the graph: a recompute word that
+selects nothing there is a report note too, because one model compiles to several graphs (graph
+breaks, the head) and a word may rightly match in only some of them.
 """
 
 from __future__ import annotations
@@ -74,27 +76,52 @@ def test_any_options_are_a_backend_or_one_clear_value_error(options):
     assert Config.from_options(**options) == backend.config
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"offload_stream": True}, "offload_stream=True has no effect without offload=True; set that "
-                               "too, or leave offload_stream unset"),
+@pytest.mark.parametrize("options, note", [
+    ({"offload_stream": True}, "offload_stream=True has no effect without offload=True"),
     ({"offload_stream": False}, "offload_stream=False has no effect without offload=True"),
     ({"offload_min_bytes": 0}, "offload_min_bytes=0 has no effect without offload=True"),
     ({"save_original_modules": ("*.o_proj",)},
-     "save_original_modules=('*.o_proj',) has no effect without fp8='tensorwise'"),
-    ({"kernels": "te"}, "kernels='te' has no effect without fp8="),
+     "save_original_modules=('*.o_proj',) has no effect without fp8='tensorwise' (or another "
+     "recipe)"),
+    ({"kernels": "te"}, "kernels='te' has no effect without fp8='tensorwise' (or another recipe)"),
     ({"recompute_method": "block"}, "recompute_method='block' has no effect without "
                                     "recompute=('full',)"),
     ({"recompute": ("mlp",), "recompute_num_layers": 2},
      "recompute_num_layers=2 has no effect without recompute=('full',)"),
     ({"recompute_include": ("layers.0.*",)}, "recompute_include=('layers.0.*',) has no effect "
-                                             "without a recompute selection"),
+                                             "without a recompute selection such as "
+                                             "recompute=('core_attn',)"),
+    ({"fp8_cache_min_bytes": 0}, "fp8_cache_min_bytes=0 has no effect without "
+                                 "fp8_cache='act_input' (or another level)"),
+    ({"order_backward": True, "codegen": "eager"},
+     "order_backward=True has no effect without codegen='inductor' (graphs run as they are under "
+     "codegen='eager')"),
+])
+def test_option_without_effect_is_a_note(options, note):
+    backend = graphpass.backend(**options)
+    assert [str(u) for u in backend.config.unused()] == [note]
+    # it runs as without the option: a group's option reads back as its default
+    name = note.split("=")[0]
+    value = options[name]
+    if name != "order_backward":  # Config's own field, read as written (min_cut asks codegen)
+        assert getattr(backend.config, name) == Config().as_dict()[name]
+    assert backend.config.changed()[name] == value  # as written
+    assert repr(backend) == "graphpass.backend(" + ", ".join(
+        f"{k}={v!r}" for k, v in options.items()) + ")"
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"kernels": "te", "fp8": "rowwise"}, "kernels='te' with fp8='rowwise': Transformer Engine has "
+                                          "no rowwise"),
+    ({"kernels": "scaled_mm", "fp8": "mxfp8"}, "kernels='scaled_mm' with fp8='mxfp8': that "
+                                               "provider runs fp8='tensorwise' or 'rowwise' or "
+                                               "'blockwise' only"),
     ({"recompute": ("attention",)}, "invalid graphpass option recompute='attention'; valid values"),
     ({"recompute": "mlp"}, "expected a tuple of strings: write recompute=('mlp',)"),
     ({"recompute_num_layers": True, "recompute": ("full",)}, "expected an int"),
     ({"recompute_budget": float("inf")}, "recompute_budget=inf; expected a fraction"),
     ({"offload": True, "offload_min_bytes": -1}, "offload_min_bytes=-1; expected a count of 0"),
     ({"fp8_recipe": "tensorwise"}, "unknown graphpass option(s) 'fp8_recipe'; valid options are"),
-    ({"fp8_cache_min_bytes": 0}, "fp8_cache_min_bytes=0 has no effect without fp8_cache='act_input'"),
     ({"fp8_cache": "activations"}, "invalid graphpass option fp8_cache='activations'; valid values"),
 ])
 def test_invalid_combination_names_the_fix(options, message):
@@ -103,11 +130,11 @@ def test_invalid_combination_names_the_fix(options, message):
     assert message in str(e.value)
 
 
-def test_sweep_options_are_exempt_from_the_combination_rule():
+def test_sweep_options_are_exempt_from_the_unused_notes():
     # sweeps over fp8 (None included) set these at every point: the CLI's shared flags, and
     # test_memory_passes' UNOPTIMISED baseline
-    assert Config(save_original="never", memory="default").fp8 is None
-    assert Config(fp8_exclude=("output", "*.gate")).fp8 is None
+    assert Config(save_original="never", memory="default").unused() == ()
+    assert Config(fp8_exclude=("output", "*.gate")).unused() == ()
 
 
 def test_backend_repr_shows_only_the_options_set():

@@ -116,15 +116,16 @@ def test_config_derives_its_recipe_by_one_function(options, key):
 
 
 def test_config_asks_the_recipe_which_options_it_takes():
-    """``fp8_pow2_scales`` and ``fp8_format`` are accepted exactly where the recipe has the
-    variant they select, with Config's own messages elsewhere."""
+    """``fp8_pow2_scales`` and ``fp8_format`` take effect exactly where the recipe has the
+    variant they select; elsewhere they are unused, with Config's own note."""
     for name in recipes.RECIPE_NAMES:
         for option, value in (("fp8_pow2_scales", True), ("fp8_format", "e4m3")):
             if recipes.takes_option(name, option):
                 assert graphpass.Config(fp8=name, **{option: value}).recipe is not None
             else:
-                with pytest.raises(ValueError, match=f"{option}=.* has no effect without"):
-                    graphpass.Config(fp8=name, **{option: value})
+                ignored = graphpass.Config(fp8=name, **{option: value})
+                assert [u.option for u in ignored.unused()] == [option]
+                assert ignored.recipe == graphpass.Config(fp8=name).recipe
     assert [n for n in recipes.RECIPE_NAMES if recipes.takes_option(n, "fp8_pow2_scales")] == [
         "blockwise", "rowwise"]
     assert [n for n in recipes.RECIPE_NAMES if recipes.takes_option(n, "fp8_format")] == [
@@ -140,7 +141,7 @@ _RECIPE = re.compile(r"(%s)(_[a-z0-9]+)*" % "|".join(recipes.RECIPE_NAMES))
 _USAGES = {"rowwise", "columnwise", "both"}
 # config.py validates the user's option strings (which provider runs which fp8=...): there and
 # only there a recipe name may be compared, inside these functions.
-_ALLOWED = {"fp8/recipes.py": None, "config.py": {"__post_init__", "_combinations"}}
+_ALLOWED = {"fp8/recipes.py": None, "config.py": {"__post_init__"}}
 
 
 def _recipe_literals(node: ast.AST) -> set[str]:
