@@ -144,11 +144,27 @@ def test_an_option_without_effect_is_a_report_note_not_an_error():
     assert [(r.name, r.bytes) for r in swept.rows] == [(r.name, r.bytes) for r in plain.rows]
 
 
-def test_the_note_reaches_a_backends_report():
+class _Broken(torch.nn.Module):
+    """Two graphs: a graph break between the linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(y).relu()
+
+
+def test_the_note_reaches_a_backends_report_once():
     backend = graphpass.backend(kernels="reference", codegen="eager")
-    model = torch.compile(_mlp(), backend=backend)
+    torch._dynamo.reset()
+    model = torch.compile(_Broken(), backend=backend)
     model(torch.randn(16, 32, requires_grad=True)).sum().backward()
-    assert NOTE in backend.report().notes
+    report = backend.report()
+    assert report.graphs == 2 and report.notes.count(NOTE) == 1
+    assert [d.why for d in report.decisions if d.what is graphpass.What.UNUSED] == [NOTE[8:]]
     assert NOTE in graphpass.last_report().notes
 
 

@@ -125,7 +125,8 @@ class Report(SavedTotals):
         ``[frame, compile]``, the same frame with a higher compile: a guard failed, or a shape
         changed under ``dynamic=False``) replaces its earlier compile's graphs, which run no
         more in that step: only the latest compile of each frame is merged, with a
-        ``recompile:`` note saying what it replaced (``meta["replaced_graphs"]`` counts them)."""
+        ``recompile:`` note saying what it replaced (``meta["replaced_graphs"]`` counts them).
+        A note about the config (``unused:``), which every graph repeats, is kept once."""
         all_reports = list(reports)
         reports, replaced = _latest_compiles(all_reports)
         merged = Report(rows=[], notes=[], graphs=0, meta=dict(reports[0].meta) if reports else {})
@@ -137,8 +138,10 @@ class Report(SavedTotals):
                                     copy_of=prefix + r.copy_of if r.copy_of else "")
                 for r in rep.rows
             ]
-            merged.notes += rep.notes
-            merged.decisions += rep.decisions
+            # The config's own notes (``unused:``) are about every graph alike: said once.
+            said = [d for d in rep.decisions if d.what is What.UNUSED and d in merged.decisions]
+            merged.notes += [n for n in rep.notes if n not in {str(d) for d in said}]
+            merged.decisions += [d for d in rep.decisions if d not in said]
             merged.graphs += rep.graphs
             for key in ("step_flops", "recompute_flops"):
                 if i and key in rep.meta:
