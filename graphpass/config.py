@@ -10,8 +10,9 @@ groups; a group can be passed in its keyword's place (``Config(fp8=FP8("rowwise"
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from .fp8 import recipes
 
@@ -76,6 +77,13 @@ def _type(name: str, value: Any, typ: type | tuple[type, ...]) -> None:
                           for t in (typ if isinstance(typ, tuple) else (typ,))))
 
 
+@functools.lru_cache(maxsize=None)
+def _literals(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The valid values of each field of ``cls`` typed with a Literal."""
+    hints = get_type_hints(cls)
+    return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if get_origin(hints[f.name]) is Literal}
+
 
 @dataclass(frozen=True)
 class Unused:
@@ -92,39 +100,42 @@ class Unused:
         return f"{self.option}={self.value!r} has no effect without {self.needs}"
 
 
+G = TypeVar("G", bound="_Group")
+
+
 class _Group:
     """What every option group shares: messages that name its fields by their ``Config``
-    keyword (``SHORTHAND``), the fields in effect, and the ones that are not."""
-
-    # Each field's Config keyword, where it is not the field's own name.
-    KEYWORDS: ClassVar[dict[str, str]] = {}
+    keyword (``SHORTHAND``), and which of its fields are in effect."""
 
     def _unused(self) -> list[tuple[str, str]]:
         """(field, what would put it in effect) for each field the others leave without effect."""
         return []
 
+    def _ignored(self) -> list[tuple[str, str]]:
+        """``_unused`` where the field is set to other than its default."""
+        fields = self.__dataclass_fields__  # type: ignore[attr-defined]
+        return [(name, needs) for name, needs in self._unused()
+                if getattr(self, name) != fields[name].default]
+
     def unused(self) -> tuple[Unused, ...]:
         """The options set to a non-default value that have no effect under the others."""
-        fields = self.__dataclass_fields__  # type: ignore[attr-defined]
-        return tuple(Unused(self.KEYWORDS.get(name, name), getattr(self, name), needs)
-                     for name, needs in self._unused()
-                     if getattr(self, name) != fields[name].default)
+        return tuple(Unused(self._keyword(name), getattr(self, name), needs)
+                     for name, needs in self._ignored())
 
-    def in_effect(self) -> "_Group":
+    def in_effect(self: G) -> G:
         """This group with each option that has no effect back at its default."""
         fields = self.__dataclass_fields__  # type: ignore[attr-defined]
-        ignored = {name: fields[name].default for name, _ in self._unused()
-                   if getattr(self, name) != fields[name].default}
+        ignored = {name: fields[name].default for name, _ in self._ignored()}
         return dataclasses.replace(self, **ignored) if ignored else self  # type: ignore[type-var]
 
     def _keyword(self, name: str) -> str:
-        return self.KEYWORDS.get(name, name)
+        """The Config keyword of field ``name``: what messages call it."""
+        return next((_KEYWORDS[c, name] for c in type(self).__mro__ if (c, name) in _KEYWORDS),
+                    name)
 
     def _choices(self) -> None:
-        hints = get_type_hints(type(self))
-        for name in self.__dataclass_fields__:  # type: ignore[attr-defined]
-            if get_origin(hints[name]) is Literal:
-                _choice(self._keyword(name), getattr(self, name), get_args(hints[name]))
+        for name, valid in _literals(type(self)).items():
+            _choice(self._keyword(name), getattr(self, name), valid)
 
     def _bools(self, *names: str, optional: bool = False) -> None:
         for name in names:
@@ -150,11 +161,6 @@ class FP8(_Group):
     ``fp8_*``, ``kernels``, ``fuse_quantize`` and ``save_original*`` keywords). ``FP8()``, the
     default, is FP8 off; its other options then have no effect."""
 
-    KEYWORDS: ClassVar[dict[str, str]] = {
-        "recipe": "fp8", "pow2_scales": "fp8_pow2_scales", "format": "fp8_format",
-        "exclude": "fp8_exclude", "all_gather": "fp8_all_gather", "accumulate": "fp8_accumulate",
-        "cost_model": "fp8_cost_model", "min_gemm_flops": "fp8_min_gemm_flops",
-        "weight_once": "fp8_weight_once", "weight_cache": "fp8_weight_cache"}
 
     recipe: FP8Recipe = None
     """FP8 recipe for linear layers: ``None`` (off), ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``,
@@ -302,7 +308,6 @@ class FP8(_Group):
         ``format``, ``pow2_scales`` and ``accumulate`` where the recipe takes them
         (``recipes.from_options``)."""
         on = self.in_effect()
-        assert isinstance(on, FP8)
         return recipes.from_options(on.recipe, on.format, on.pow2_scales, on.accumulate)
 
 
@@ -311,9 +316,6 @@ class Recompute(_Group):
     """Output-discarding recompute of selected modules (``Config(recompute=...)``, or the
     ``recompute_*`` keywords but ``recompute_budget``, the planner's)."""
 
-    KEYWORDS: ClassVar[dict[str, str]] = {
-        "modules": "recompute", "method": "recompute_method", "num_layers": "recompute_num_layers",
-        "include": "recompute_include"}
 
     modules: tuple[RecomputeModule, ...] = ()
     """Output-discarding recompute, in Megatron's words: ``layernorm``, ``act``, ``moe_act``,
@@ -354,9 +356,6 @@ class Offload(_Group):
     (``Config(offload=...)``, or the ``offload_*`` keywords). ``Offload()``, the default, is off;
     ``Offload(True, min_bytes=...)`` on."""
 
-    KEYWORDS: ClassVar[dict[str, str]] = {
-        "enabled": "offload", "stream": "offload_stream", "min_bytes": "offload_min_bytes",
-        "hidden_only": "offload_hidden_only", "exclude": "offload_exclude"}
 
     enabled: bool = False
     """Offload eligible saved activations to CPU with torch's activation offloading."""
@@ -395,8 +394,6 @@ class ActivationCache(_Group):
     """The FP8 activation cache: saved activations stored in FP8 between forward and backward
     (``Config(fp8_cache=...)``, or the ``fp8_cache_*`` keywords)."""
 
-    KEYWORDS: ClassVar[dict[str, str]] = {
-        "level": "fp8_cache", "format": "fp8_cache_format", "min_bytes": "fp8_cache_min_bytes"}
 
     level: FP8Cache = None
     """Lossy, opt-in: store saved activations in FP8 between forward and backward (after the
@@ -430,7 +427,6 @@ class MemoryPlan(_Group):
     """How the partitioner chooses what to save (``Config(memory=...)``, ``recompute_budget``,
     ``memory_budget``)."""
 
-    KEYWORDS: ClassVar[dict[str, str]] = {"policy": "memory", "budget": "memory_budget"}
 
     policy: Memory = None
     """``"auto"``: the planner minimises saved bytes, recomputing any non-GEMM, non-attention op
@@ -511,6 +507,9 @@ GROUPS: dict[str, tuple[type[_Group], str]] = {
     "activation_cache": (ActivationCache, "fp8_cache"),
     "memory_plan": (MemoryPlan, "memory"),
 }
+# Each group field's keyword, for the groups' messages.
+_KEYWORDS: dict[tuple[type, str], str] = {
+    (GROUPS[attr][0], field): name for name, (attr, field) in SHORTHAND.items() if attr}
 
 
 @dataclass(frozen=True, init=False)
@@ -692,8 +691,8 @@ def option_fields() -> list[tuple[str, type, dataclasses.Field]]:
 DEFAULTS: dict[str, Any] = {name: f.default for name, _, f in option_fields()}
 # Valid values of the keywords that take one of a fixed set; the CLI builds its flags from this.
 CHOICES: dict[str, tuple[Any, ...]] = {
-    name: get_args(hint) for name, owner, f in option_fields()
-    if get_origin(hint := get_type_hints(owner)[f.name]) is Literal}
+    name: _literals(owner)[f.name] for name, owner, f in option_fields()
+    if f.name in _literals(owner)}
 # Tuple keywords whose items come from a fixed set.
 ITEM_CHOICES: dict[str, tuple[str, ...]] = {"recompute": RECOMPUTE_MODULES}
 
