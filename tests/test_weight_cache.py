@@ -195,8 +195,10 @@ def test_a_cache_that_caches_nothing_warns():
 
 def test_needs_a_recipe():
     for value in (True, "auto"):
-        with pytest.raises(ValueError, match="fp8_weight_cache"):
-            graphpass.Config(fp8_weight_cache=value)
+        config = graphpass.Config(fp8_weight_cache=value)
+        assert [str(u) for u in config.unused()] == [
+            f"fp8_weight_cache={value!r} has no effect without fp8='tensorwise' (or another recipe)"]
+        assert config.fp8_weight_cache is False  # runs as without it
 
 
 @pytest.mark.parametrize("value", [1, 0, "on", None])
