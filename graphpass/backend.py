@@ -297,7 +297,7 @@ def wrapper_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None
 def backend(**options: Any) -> Backend:
     """A graphpass backend for ``torch.compile(model, backend=graphpass.backend(...))``.
 
-    Options are the fields of :class:`graphpass.Config`; an unknown or invalid option raises a
+    Options are the keywords of :class:`graphpass.Config`; an unknown or invalid option raises a
     ValueError naming the valid ones.
     """
     return Backend(Config.from_options(**options), options)

@@ -109,7 +109,7 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, flags: Sequence[ConfigFlag]) -> None:
-    group = parser.add_argument_group("graphpass options (fields of graphpass.Config)")
+    group = parser.add_argument_group("graphpass options (keywords of graphpass.Config)")
     for fl in flags:
         # SUPPRESS: only flags the user gave reach Config, so its defaults stay the defaults.
         if fl.is_bool:
