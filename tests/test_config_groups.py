@@ -44,6 +44,13 @@ def test_flat_and_grouped_forms_build_equal_configs(flat, grouped):
     assert pickle.loads(pickle.dumps(a)) == a
 
 
+def test_backend_takes_a_group_too():
+    backend = graphpass.backend(fp8=FP8("tensorwise", weight_once=True), recompute=("layernorm",))
+    assert backend.config == Config(fp8="tensorwise", fp8_weight_once=True, recompute=("layernorm",))
+    assert backend.config.changed() == {"fp8": "tensorwise", "fp8_weight_once": True,
+                                        "recompute": ("layernorm",)}
+
+
 def test_groups_read_back_by_keyword_and_by_group():
     config = Config(fp8="rowwise", kernels="scaled_mm", recompute=("layernorm",), offload=True)
     assert config.float8 == FP8("rowwise", kernels="scaled_mm")
