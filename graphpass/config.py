@@ -5,6 +5,13 @@ each a frozen dataclass that validates its own fields and knows which of them ar
 ``Config(**flat keywords)`` (``fp8="tensorwise"``, ``recompute=("layernorm",)``: the names of
 ``SHORTHAND``, which the CLI, ``GRAPHPASS_OPTIONS`` and the named backends use too) builds the
 groups; a group can be passed in its keyword's place (``Config(fp8=FP8("rowwise"))``).
+
+One module because it is one vocabulary of options: the groups' messages name their fields by
+the keywords of ``SHORTHAND``, which needs the groups' classes, and ``Config`` builds every group
+from that table; it is also the one place outside ``fp8.recipes`` where a recipe name may be
+compared (the user's ``fp8=`` string against the providers that run it,
+``tests/test_recipe_identity.py``). Most of its length is the options' docstrings, which the
+CLI's ``--help`` reads.
 """
 
 from __future__ import annotations
