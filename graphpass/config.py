@@ -281,8 +281,8 @@ class FP8(_Group):
                 "scaled_mm": (None, "tensorwise", "rowwise", "blockwise")}
         if self.recipe not in runs.get(self.kernels, (self.recipe,)):
             raise ValueError(
-                f"invalid graphpass options kernels={self.kernels!r} with fp8={self.recipe!r}: that "
-                f"provider runs fp8={' or '.join(map(repr, runs[self.kernels][1:]))} only; use "
+                f"invalid graphpass options kernels={self.kernels!r} with fp8={self.recipe!r}: "
+                f"that provider runs fp8={' or '.join(map(repr, runs[self.kernels][1:]))} only; use "
                 f"kernels='reference' (or 'auto') for fp8={self.recipe!r}"
             )
         self._bools("fuse_quantize", "all_gather", "weight_once")
@@ -456,8 +456,8 @@ class MemoryPlan(_Group):
                 isinstance(self.recompute_budget, (int, float))
                 and not isinstance(self.recompute_budget, bool)
                 and 0 <= self.recompute_budget < float("inf")):
-            raise ValueError(f"invalid graphpass option recompute_budget={self.recompute_budget!r}; "
-                             "expected a fraction of step FLOPs such as 0.01, or None for no limit")
+            raise ValueError(f"invalid graphpass option recompute_budget="
+                             f"{self.recompute_budget!r}; expected a fraction of step FLOPs such as 0.01, or None for no limit")
         budget = self.budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or (isinstance(budget, int) and budget <= 0)

@@ -19,7 +19,8 @@ from graphpass.config import DEFAULTS, SHORTHAND
 @pytest.mark.parametrize("flat, grouped", [
     ({"fp8": "rowwise", "kernels": "scaled_mm"},
      {"fp8": FP8("rowwise", kernels="scaled_mm")}),
-    ({"fp8": "tensorwise", "fp8_format": "e4m3", "fp8_exclude": ["output"], "fp8_weight_once": True},
+    ({"fp8": "tensorwise", "fp8_format": "e4m3", "fp8_exclude": ["output"],
+      "fp8_weight_once": True},
      {"fp8": FP8("tensorwise", format="e4m3", exclude=("output",), weight_once=True)}),
     ({"recompute": ["full"], "recompute_method": "block", "recompute_num_layers": 2},
      {"recompute": Recompute(("full",), method="block", num_layers=2)}),
@@ -46,7 +47,8 @@ def test_flat_and_grouped_forms_build_equal_configs(flat, grouped):
 
 def test_backend_takes_a_group_too():
     backend = graphpass.backend(fp8=FP8("tensorwise", weight_once=True), recompute=("layernorm",))
-    assert backend.config == Config(fp8="tensorwise", fp8_weight_once=True, recompute=("layernorm",))
+    assert backend.config == Config(fp8="tensorwise", fp8_weight_once=True,
+                                    recompute=("layernorm",))
     assert backend.config.changed() == {"fp8": "tensorwise", "fp8_weight_once": True,
                                         "recompute": ("layernorm",)}
 
