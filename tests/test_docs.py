@@ -25,14 +25,6 @@ HISTORY = ("fixed:", "predate", "before this fix", "before the fix", "an export 
 # Files outside the repository a doc or a source must not cite.
 OUTSIDE = ("/work/", "../shared", "shared/reference", "shared/notes", "reference notes", "§")
 
-# References in files this change may not edit, to be updated after it merges.
-# lead: update after merge
-KNOWN_BROKEN = {
-    ("graphpass/config.py", "docs/memory.md#order_backward"),
-    ("graphpass/config.py", "docs/memory.md#fp8_weight_cache"),
-    ("graphpass/config.py", "docs/memory.md#memory_budget"),
-    ("graphpass/config.py", "docs/memory.md#offload_hidden_only"),
-}
 # Modules over 500 lines another change is splitting or will give a reason.
 # lead: update after merge
 LONG_EXEMPT = {"graphpass/graph/peak.py"}
@@ -131,19 +123,9 @@ def test_every_link_resolves():
     for path in doc_files() + python_files():
         for target, base in links(path):
             why = broken(target, base)
-            if why and (rel(path), target) not in KNOWN_BROKEN:
+            if why:
                 bad.append(f"{rel(path)}: {target}: {why}")
     assert not bad, "\n".join(bad)
-
-
-def test_the_known_broken_references_are_still_there():
-    """An entry of KNOWN_BROKEN that no longer occurs (or resolves) is to be removed."""
-    stale = []
-    for name, target in KNOWN_BROKEN:
-        refs = [t for t, _ in links(ROOT / name)]
-        if target not in refs or broken(target, ROOT) is None:
-            stale.append((name, target))
-    assert not stale, stale
 
 
 def test_the_link_checker_finds_each_kind_of_broken_link(tmp_path):
