@@ -17,7 +17,8 @@ first step's wall time less a compiled step's (the median of the two steps after
 
 Configs: ``inductor`` (``torch.compile`` defaults, bf16), ``graphpass-bf16``
 (``graphpass.backend(fp8=None)``), ``graphpass-fp8`` (``fp8="tensorwise"``),
-``graphpass-fp8-unfused`` (``fuse_quantize=False``), ``torchao-fp8``
+``graphpass-fp8-unfused`` (``fuse_quantize=False``), ``graphpass-fp8-linears`` (the expert GEMMs
+kept in bf16: the ``nn.Linear`` modules alone in FP8, what torchao converts), ``torchao-fp8``
 (``torchao.float8.convert_to_float8_training``, the output head excluded as graphpass does, then
 ``torch.compile`` with Inductor; left out where torchao does not import). Prints a markdown
 table: the median compile seconds of the runs, the ratio to plain Inductor's, and where the time
@@ -51,7 +52,8 @@ from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CONFIGS = ("inductor", "graphpass-bf16", "graphpass-fp8", "graphpass-fp8-unfused", "torchao-fp8")
+CONFIGS = ("inductor", "graphpass-bf16", "graphpass-fp8", "graphpass-fp8-unfused",
+           "graphpass-fp8-linears", "torchao-fp8")
 BASELINE = "inductor"
 # (hidden, intermediate, layers, heads, kv heads, vocab, batch, sequence)
 SIZES = {"tiny": (256, 512, 2, 4, 2, 256, 2, 64), "quick": (64, 128, 1, 2, 1, 128, 2, 16)}
@@ -150,6 +152,10 @@ def _backend(config: str, model: Any) -> Any:
 
     options: dict[str, Any] = {"graphpass-bf16": {"fp8": None},
                                "graphpass-fp8": {"fp8": "tensorwise"},
+                               "graphpass-fp8-linears": {
+                                   "fp8": "tensorwise",
+                                   "fp8_exclude": ("lm_head", "output", "*.gate", "*.router",
+                                                   "*.experts")},
                                "graphpass-fp8-unfused": {"fp8": "tensorwise",
                                                          "fuse_quantize": False}}[config]
     return graphpass.backend(**options)
