@@ -56,7 +56,7 @@ import torch.fx as fx
 
 from .. import _compat
 from .._compat import size_hint, storage_id, tree_leaves
-from ..report.peak import peak_dict
+from ..report.peak import LiveTensor, StepPeak
 from .joint import offloaded_source
 from .nodes import module_path, op_name, tensor_bytes
 from .ops import VIEWS
@@ -73,8 +73,8 @@ class _Storage:
 
 def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
               parameter_names: set[str], runtime: str = "inductor",
-              fused: bool | None = None) -> dict[str, Any]:
-    """The step's predicted peak on the compute device (``report.peak.peak_dict``). ``fused``
+              fused: bool | None = None) -> StepPeak:
+    """The step's predicted peak on the compute device. ``fused``
     (default: under ``runtime="inductor"``) runs the graphs as Inductor's code does
     (``inductor_kernels``); ``False`` reads them node by node."""
     storages: dict[int, _Storage] = {}
@@ -144,13 +144,13 @@ def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
 
     best = max(fw_best, bw_best, key=lambda p: p[0])
     peak_bytes, node, at = best
-    return peak_dict(
+    return StepPeak.of(
         bytes=peak_bytes, device=device, phase="forward" if best is fw_best else "backward",
         node=node.name if node is not None else "-", module=module_path(node) if node else "",
         op=op_name(node) if node is not None else "-",
-        live=[{"name": storages[s].node.name, "op": op_name(storages[s].node),
-               "module": module_path(storages[s].node), "kind": storages[s].kind,
-               "bytes": storages[s].bytes} for s in at if storages[s].device == device],
+        live=[LiveTensor(storages[s].node.name, op_name(storages[s].node),
+                         module_path(storages[s].node), storages[s].kind, storages[s].bytes)
+              for s in at if storages[s].device == device],
         forward_peak=fw_best[0], backward_peak=bw_best[0], runtime=runtime)
 
 

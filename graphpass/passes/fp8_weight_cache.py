@@ -37,6 +37,8 @@ from ..graph.nodes import is_backward, module_path, tensor_bytes
 from ..graph.offload_copies import format_seconds
 from ..graph.roofline import H100
 from ..report import format_bytes
+from ..report.peak import StepPeak
+from .partitioner import TrialPartitioner
 from .save_original import merge_usages
 from .tags import overruled_by_user, tag, user_policy
 
@@ -75,7 +77,8 @@ class Candidate:
         return H100.compute(0, self.work)
 
 
-def fp8_weight_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def fp8_weight_cache(joint: fx.GraphModule, plan: Plan, config: Config,
+                     partitioner: TrialPartitioner) -> None:
     if config.fp8 is None or not config.fp8_weight_cache:
         return
     candidates, overruled = candidates_of(joint, plan, notes=True)
@@ -172,7 +175,7 @@ class _Toggles:
 
 
 def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
-                  peak: dict[str, Any], predict: Callable[[], dict[str, Any]]) -> None:
+                  peak: StepPeak, predict: Callable[[], StepPeak]) -> None:
     """``fp8_weight_cache="auto"``, once the budget's plan fits (its predicted ``peak``): cache
     the weights that save the most quantize work per cached byte first (of equal saving per
     byte, the largest first), while the predicted peak, their copies counted, stays within
@@ -186,12 +189,12 @@ def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
     partitions = 0
     fitting = peak
 
-    def fits(chosen: list[Candidate]) -> dict[str, Any] | None:
+    def fits(chosen: list[Candidate]) -> StepPeak | None:
         nonlocal partitions
         toggles.set(chosen, on=True)
         partitions += 1
         got = predict()
-        if got["bytes"] <= budget:
+        if got.bytes <= budget:
             return got
         toggles.set(chosen, on=False)
         return None
@@ -252,8 +255,8 @@ def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
     plan.decide(Decision(What.WEIGHT_CACHE, BY, (
         f"'auto' under memory_budget: {len(kept)} of {len(order)} weight(s) cached ({held:,} B), "
         f"saving about {format_seconds(sum(c.seconds for c in kept))} of quantize per "
-        f"micro-batch by the roofline of an H100; predicted peak {format_bytes(peak['bytes'])} "
-        f"-> {format_bytes(fitting['bytes'])} within {format_bytes(budget)}{of_what}; "
+        f"micro-batch by the roofline of an H100; predicted peak {format_bytes(peak.bytes)} "
+        f"-> {format_bytes(fitting.bytes)} within {format_bytes(budget)}{of_what}; "
         f"{partitions} partition(s)")))
 
 
