@@ -1,7 +1,7 @@
 """graphpass's modules import downwards only: no cycle, and no import from a lower layer into a
 higher one. Read from the source (ast), so an import inside a function counts too, and for cycles
 an import under ``if TYPE_CHECKING:`` as well (a module that needs another's types while that one
-calls it is one idea split in two files)."""
+calls it is one idea split in two files). And no module is over 500 lines without saying why."""
 
 from __future__ import annotations
 
@@ -134,6 +134,22 @@ def test_lazy_imports_close_a_cycle(tmp_path: Path) -> None:
     runtime = {m: _imports(tmp_path / (m.replace(".", "/") + ".py"), m, root=tmp_path)
                for m in sources}
     assert _cycles(runtime) == []
+
+
+MAX_LINES = 500
+
+
+def test_no_module_over_500_lines_without_a_reason() -> None:
+    """A module longer than ``MAX_LINES`` says why in its docstring (``over 500 lines``)."""
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines = len(text.splitlines())
+        docstring = " ".join((ast.get_docstring(ast.parse(text)) or "").split()).lower()
+        if lines > MAX_LINES and "over 500 lines" not in docstring:
+            long.append(f"graphpass/{path.relative_to(ROOT)}: {lines} lines")
+    assert not long, ("modules over 500 lines without a reason in their docstring:\n"
+                      + "\n".join(long))
 
 
 # -- torch's internals: one package ---------------------------------------------------------------

@@ -3,6 +3,10 @@
 They stay separate nodes so the partitioner sees the 1-byte tensors between them and can save,
 recompute or offload them like any other value. Both have fake implementations (shapes only) and
 the GEMM has a FLOP formula, so torch's partitioner and its budget solver can cost them.
+
+Over 500 lines: each op's eager, fake and traced implementations, and its paths per recipe and
+layout (tensorwise, rowwise, blockwise; expert stacks and token groups), stay beside the op
+they implement.
 """
 
 from __future__ import annotations

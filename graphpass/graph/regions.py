@@ -23,6 +23,9 @@ selects (docs/memory.md#how-selections-are-recognised):
   latent) whose output reaches attention, with the rope and concatenation on the way.
 
 Module paths only name things in the report (and find the layers of ``full``).
+
+Over 500 lines: most of it is one class, ``Regions``, whose selections build on each other
+(norms and attention bound the activations; the MoE, its experts and MLA reuse them).
 """
 
 from __future__ import annotations
