@@ -24,7 +24,7 @@ a budget, ``"auto"`` caches nothing and says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -174,14 +174,14 @@ class _Toggles:
                         q.meta["recompute"] = self.tags[q]
 
 
-def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
-                  peak: StepPeak, predict: Callable[[], StepPeak]) -> None:
+def within_budget(joint: fx.GraphModule, plan: Plan, partitioner: TrialPartitioner, budget: int,
+                  of_what: str, peak: StepPeak) -> None:
     """``fp8_weight_cache="auto"``, once the budget's plan fits (its predicted ``peak``): cache
     the weights that save the most quantize work per cached byte first (of equal saving per
     byte, the largest first), while the predicted peak, their copies counted, stays within
     ``budget``: the longest run of that order that fits (a bisection), then each later weight
-    that fits on top (one partition each, at most ``MAX_TRIES``). ``predict`` partitions the
-    joint graph as tagged and returns its peak. A note per weight, cached or not, and a summary."""
+    that fits on top (one partition each, at most ``MAX_TRIES``), each try a peak predicted by
+    ``partitioner``. A note per weight, cached or not, and a summary."""
     candidates, _ = candidates_of(joint, plan)  # the pass noted the overruled ones
     order = sorted(candidates, key=lambda c: (-c.work / max(c.bytes, 1), -c.bytes,
                                               c.weight.name))
@@ -193,7 +193,7 @@ def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
         nonlocal partitions
         toggles.set(chosen, on=True)
         partitions += 1
-        got = predict()
+        got = partitioner.predict_peak(joint).peak
         if got.bytes <= budget:
             return got
         toggles.set(chosen, on=False)
@@ -236,7 +236,7 @@ def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
     joint.recompile()
     if kept:
         partitions += 1
-        fitting = predict()
+        fitting = partitioner.predict_peak(joint).peak
     for c in order:
         if c.weight.name in nodes:
             plan.decide(Decision(What.WEIGHT_CACHED, BY, (

@@ -168,8 +168,7 @@ def _cache_weights(joint: fx.GraphModule, plan: Plan, config: Config,
     """``fp8_weight_cache="auto"``: the weights cached within what the plan leaves of the
     budget (``fp8_weight_cache.within_budget``)."""
     if config.fp8 is not None and config.fp8_weight_cache == "auto":
-        within_budget(joint, plan, budget, of_what, peak,
-                      lambda: partitioner.predict_peak(joint).peak)
+        within_budget(joint, plan, partitioner, budget, of_what, peak)
 
 
 def _greedy(search: _Search, budget: int, offloadable: list[fx.Node], overlap: bool,
