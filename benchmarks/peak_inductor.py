@@ -82,7 +82,7 @@ def measure(name: str, layers: int, seq: int, dtype: torch.dtype) -> tuple[int, 
     measured = allocator_peak(lambda: step(x).backward(), resident + x.untyped_storage().nbytes())
     (fw, bw, num_fwd_outputs), = graphs
     as_is = step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs, parameter_names=set(),
-                      fused=False)["bytes"]
+                      fused=False).bytes
     return measured, as_is, backend.report().meta["step_peak"]["bytes"]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.fx as fx
 
@@ -63,6 +63,7 @@ class What(enum.Enum):
     OFFLOADED = "offloaded to CPU, reloaded for the backward"
     OFFLOAD_COPY = "offload copy: {module}: {why}"
     OFFLOAD_NOT_HIDDEN = "offload copy not hidden: {module}: {why}"
+    TORCH_OFFLOADING = "{by}: torch's activation offloading turned on ({why})"
     # the memory budget
     BUDGETED = "memory_budget: {why}"
     # what the report observed in the partitioned graphs
@@ -167,18 +168,10 @@ class Plan:
     parameters: set[fx.Node] = field(default_factory=set)
     """The primals torch treats as parameters or buffers (static inputs)."""
     decisions: list[Decision] = field(default_factory=list)
-    exact_partition: Callable[[fx.GraphModule], tuple[list[fx.Node], set[fx.Node]]] | None = None
-    """The min-cut of a copy of the joint graph as the passes so far tagged it: the joint nodes
-    it saves and the forward nodes it recomputes in the backward (set by the pipeline; the FP8
-    activation cache caches what the exact plan saves)."""
-
-    predict_peak: Callable[[fx.GraphModule], tuple[dict[str, Any], dict[str, fx.Node], Any]] | None = None
-    """The predicted step peak (``report.peak``) of torch's min-cut of a copy of the joint graph
-    as tagged so far, the joint nodes it saves by name, and the compute their copies to the host
-    could hide under (``graph.offload_copies.Windows``) (set by the pipeline; the memory budget
-    and the offload pass plan against it)."""
-    budget_offloads: bool = False
-    """Whether the memory budget marked nodes for offload (torch's offloading is then on)."""
+    torch_offloading: str = ""
+    """The pass whose offload marks turned torch's activation offloading on while
+    ``config.offload`` is off (the memory budget), for every partition after it, the final one
+    included; empty where none did. The report shows it as a note (``What.TORCH_OFFLOADING``)."""
 
     selected: dict[tuple[str, str], int] = field(default_factory=dict)
     """How many nodes (or linears, or saved tensors) each selection of the config found in this

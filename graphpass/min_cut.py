@@ -21,8 +21,9 @@ from .config import Config
 from .decisions import Decision, Plan, What, facts
 from .graph.backward_order import order_for_memory
 from .graph.nodes import is_backward, module_path, op_name
-from .graph.offload_copies import Windows, partition_windows
+from .graph.offload_copies import partition_windows
 from .graph.peak import step_peak
+from .passes.partitioner import PeakPrediction, Saves
 from .passes.tags import random_recomputes, tag
 from .report import Report
 
@@ -64,7 +65,7 @@ def min_cut(
 def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan, config: Config,
                **partitioner_args: Any) -> Partitioned:
     on_cuda = any(getattr(p.meta.get("val"), "is_cuda", False) for p in plan.primals)
-    offload = config.offload or plan.budget_offloads  # the memory budget may offload alone
+    offload = config.offload or bool(plan.torch_offloading)  # the memory budget may offload alone
     with _compat.min_cut_settings(relaxed=config.memory_policy == "auto", offload=offload,
                                   offload_stream=offload and config.offload_stream is not False
                                   and on_cuda), _compat.min_cut_dumps() as dumps:
@@ -152,11 +153,28 @@ def _partition_marked(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, pla
             node.meta.pop(_JOINT_NODE, None)
 
 
+class TrialMinCut:
+    """The passes' :class:`~graphpass.passes.partitioner.TrialPartitioner` of one joint graph:
+    torch's min-cut of a copy of it as tagged, under the settings of the final partition."""
+
+    def __init__(self, joint_inputs: Sequence[Any], *, plan: Plan, config: Config,
+                 **partitioner_args: Any) -> None:
+        self.joint_inputs, self.plan, self.config = joint_inputs, plan, config
+        self.partitioner_args = partitioner_args
+
+    def saves(self, joint: fx.GraphModule) -> Saves:
+        return exact_partition(joint, self.joint_inputs, plan=self.plan, config=self.config,
+                               **self.partitioner_args)
+
+    def predict_peak(self, joint: fx.GraphModule) -> PeakPrediction:
+        return partition_peak(joint, self.joint_inputs, plan=self.plan, config=self.config,
+                              **self.partitioner_args)
+
+
 def exact_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan,
-                    config: Config, **partitioner_args: Any
-                    ) -> tuple[list[fx.Node], set[fx.Node]]:
+                    config: Config, **partitioner_args: Any) -> Saves:
     """torch's min-cut of a copy of ``joint`` as tagged so far: the joint nodes the forward
-    saves, and the joint forward nodes the backward recomputes (``Plan.exact_partition``).
+    saves, and the joint forward nodes the backward recomputes (``TrialMinCut.saves``).
     Each joint node is found through a metadata key, which torch copies into both graphs."""
     fw, bw = _partition_marked(joint, joint_inputs, plan=plan, config=config, **partitioner_args)
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
@@ -166,15 +184,15 @@ def exact_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan:
     recomputed = {n.meta[_JOINT_NODE] for n in bw.graph.nodes
                   if n.op == "call_function" and _JOINT_NODE in n.meta
                   and not is_backward(n.meta[_JOINT_NODE])}
-    return saved, recomputed
+    return Saves(saved, recomputed)
 
 
 def partition_peak(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan,
-                   config: Config, **partitioner_args: Any
-                   ) -> tuple[dict[str, Any], dict[str, fx.Node], Windows]:
+                   config: Config, **partitioner_args: Any) -> PeakPrediction:
     """torch's min-cut of a copy of ``joint`` as tagged so far: the step's predicted peak
     (``graph/peak.py``), the joint nodes it saves, by the name the forward gives them, and the
-    compute each saved tensor's copies to the host could hide under (``Plan.predict_peak``)."""
+    compute each saved tensor's copies to the host could hide under
+    (``TrialMinCut.predict_peak``)."""
     fw, bw = _partition_marked(joint, joint_inputs, plan=plan, config=config, **partitioner_args)
     num_fwd_outputs = partitioner_args["num_fwd_outputs"]
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
@@ -182,7 +200,7 @@ def partition_peak(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: 
              if isinstance(n, fx.Node) and _JOINT_NODE in n.meta}
     peak = step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs,
                      parameter_names={p.name for p in plan.parameters}, runtime=config.codegen)
-    return peak, saved, partition_windows(fw, bw)
+    return PeakPrediction(peak, saved, partition_windows(fw, bw))
 
 
 def _copy(joint: fx.GraphModule) -> fx.GraphModule:

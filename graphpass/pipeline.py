@@ -13,7 +13,7 @@ from . import _compat
 from .config import Config, given
 from .decisions import Decision, Plan, What
 from .graph.joint import primals as primals_of, static_primal_positions
-from .min_cut import exact_partition, min_cut, partition_peak
+from .min_cut import TrialMinCut, min_cut
 from .passes.canonicalize import canonicalize
 from .passes.fp8_all_gather import fp8_all_gather
 from .passes.fp8_cache import fp8_cache
@@ -21,6 +21,7 @@ from .passes.fp8_weight_cache import fp8_weight_cache
 from .passes.lower_fp8 import lower_fp8
 from .passes.memory_budget import memory_budget
 from .passes.offload import offload, offload_hidden
+from .passes.partitioner import TrialPartitioner
 from .passes.plan_memory import plan_memory
 from .passes.recompute import recompute
 from .passes.regather import regather
@@ -31,8 +32,10 @@ from .reporting import ReportBuilder, last_report, remember
 __all__ = ["PASSES", "Partition", "last_report", "partition", "run"]
 
 # Each pass rewrites the joint graph or tags its nodes for torch's min-cut, and records the
-# decisions a user should see; listed in the order they run.
-PASSES: tuple[Callable[[fx.GraphModule, Plan, Config], None], ...] = (
+# decisions a user should see; listed in the order they run. A pass that weighs its choices
+# against torch's min-cut of the graph as tagged asks the partitioner it is handed; what it
+# changes about how later partitions run is a field of the plan.
+PASSES: tuple[Callable[[fx.GraphModule, Plan, Config, TrialPartitioner], None], ...] = (
     canonicalize, lower_fp8, save_original, fp8_weight_cache, fp8_all_gather, recompute, offload,
     plan_memory,
     # exact, and weighed on torch's min-cut of the plan the passes above tagged
@@ -100,15 +103,11 @@ def run(
     plan = Plan(primals=primals, parameters={primals[i] for i in static})
     for unused in config.unused():
         plan.decide(Decision(What.UNUSED, "config", str(unused)))
-    plan.exact_partition = lambda graph: exact_partition(
-        graph, joint_inputs, plan=plan, config=config, num_fwd_outputs=num_fwd_outputs,
-        static_lifetime_input_indices=static, compiler=compiler)
-    plan.predict_peak = lambda graph: partition_peak(
-        graph, joint_inputs, plan=plan, config=config, num_fwd_outputs=num_fwd_outputs,
-        static_lifetime_input_indices=static, compiler=compiler)
+    trials = TrialMinCut(joint_inputs, plan=plan, config=config, num_fwd_outputs=num_fwd_outputs,
+                         static_lifetime_input_indices=static, compiler=compiler)
     with _compat.assumed_sizes() as assumed:  # unbacked sizes that got a hint: a report note
         for graph_pass in PASSES:
-            graph_pass(joint, plan, config)
+            graph_pass(joint, plan, config, trials)
         builder = ReportBuilder(joint, plan, config, num_fwd_outputs=num_fwd_outputs)
         fw, bw = min_cut(joint, joint_inputs, plan=plan, config=config, saved=builder.saved,
                          num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,

@@ -67,6 +67,7 @@ class ReportBuilder:
         lowered = any(d.what is What.LOWERED for d in self.plan.decisions)
         report.decisions = [
             *weight_once_outcome(self.plan.decisions, bw),
+            *self._partitioning_notes(),
             *(Decision(What.FLOPS_ESTIMATED, "flops", f"{op} ({why})")
               for op, why in self.estimated.items()),
             *self._fusion_notes(),
@@ -81,10 +82,17 @@ class ReportBuilder:
         report.meta.update(step_flops=self.step_flops, recompute_flops=recompute_flops)
         report.meta["step_peak"] = step_peak(
             fw, bw, num_fwd_outputs=self.num_fwd_outputs, parameter_names=self.parameter_names,
-            runtime=self.config.codegen)
+            runtime=self.config.codegen).to_dict()
         if self.fp8_coverage is not None:
             report.meta["fp8_coverage"] = self.fp8_coverage
         return report
+
+    def _partitioning_notes(self) -> list[Decision]:
+        """What the passes changed about how torch's min-cut partitions the graph after them."""
+        if not self.plan.torch_offloading:
+            return []
+        return [Decision(What.TORCH_OFFLOADING, self.plan.torch_offloading,
+                         "offload=False; for the tensors it marked for offload")]
 
     def _fusion_notes(self) -> list[Decision]:
         """Where the backend leaves quantizes as one op although ``fuse_quantize`` asks to inline

@@ -189,10 +189,10 @@ def _plan(model, dtype=torch.float32, **cfg):
     original = pipeline.PASSES
 
     def recorded(graph_pass):
-        def run(joint, plan, config):
+        def run(joint, plan, config, partitioner):
             if graph_pass.__name__ == "recompute":
                 got["attention"] = _ops(Regions(joint).attention)
-            graph_pass(joint, plan, config)
+            graph_pass(joint, plan, config, partitioner)
             if graph_pass.__name__ == "recompute":
                 got["recomputed"] = _ops(n for n in joint.graph.nodes
                                          if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE)
@@ -463,7 +463,7 @@ def test_gpt_oss_from_transformers():
     found = {}
     original = pipeline.PASSES
     at = [p.__name__ for p in original].index("recompute")
-    pipeline.PASSES = (*original[:at], lambda joint, plan, config: found.update(
+    pipeline.PASSES = (*original[:at], lambda joint, *_: found.update(
         attention=Regions(joint).attention), *original[at:])
     try:
         with warnings.catch_warnings(record=True) as caught:

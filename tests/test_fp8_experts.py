@@ -751,7 +751,7 @@ def test_quantize_before_dispatch_keeps_the_plan_when_the_min_cut_disagrees(monk
     """Where torch's min-cut of the tagged graph does not save fewer bytes than the plan before
     (simulated: the second ``exact_partition`` answers as the first), the tags are undone: the
     saved set is the one without the pass, and the note says why."""
-    from graphpass import pipeline
+    from graphpass import min_cut
 
     config = graphpass.Config(fp8="tensorwise", memory="default")
     model, inputs = _TokenRoutedExample.build("tiny")
@@ -762,11 +762,11 @@ def test_quantize_before_dispatch_keeps_the_plan_when_the_min_cut_disagrees(monk
 
     def stale(*args, **kwargs):  # every call answers as the first one did
         if not first:
-            first.append(pipeline_exact_partition(*args, **kwargs))
+            first.append(real_exact_partition(*args, **kwargs))
         return first[0]
 
-    pipeline_exact_partition = pipeline.exact_partition
-    monkeypatch.setattr(pipeline, "exact_partition", stale)
+    real_exact_partition = min_cut.exact_partition
+    monkeypatch.setattr(min_cut, "exact_partition", stale)
     report = graphpass.plan(model, *inputs, config=config)
     assert _saved_rows(report) == _saved_rows(without)
     assert [n for n in report.notes if n.startswith("dispatch:")] == [

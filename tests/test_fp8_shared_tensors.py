@@ -110,7 +110,7 @@ def test_plan_of_a_parallel_block_quantizes_the_shared_gradient_once_per_usage()
     joints = []
     original = pipeline.PASSES
     at = [p.__name__ for p in original].index("lower_fp8")
-    pipeline.PASSES = (*original[:at + 1], lambda joint, plan, config: joints.append(joint))
+    pipeline.PASSES = (*original[:at + 1], lambda joint, *_: joints.append(joint))
     try:
         graphpass.plan(_Parallel(), torch.randn(2, 64, 128, requires_grad=True),
                        config=graphpass.Config(fp8="tensorwise"))

@@ -1,7 +1,7 @@
 """graphpass's modules import downwards only: no cycle, and no import from a lower layer into a
 higher one. Read from the source (ast), so an import inside a function counts too, and for cycles
 an import under ``if TYPE_CHECKING:`` as well (a module that needs another's types while that one
-calls it is one idea split in two files)."""
+calls it is one idea split in two files). (A module over 500 lines says why: tests/test_docs.py.)"""
 
 from __future__ import annotations
 
@@ -242,3 +242,15 @@ def test_partition_sides_are_read_through_graph_joint() -> None:
              if _module(p) != "graph.joint" and "partitioner_tag" in p.read_text(encoding="utf-8")
              .replace("``partitioner_tag``", "").replace('``meta["partitioner_tag"]``', "")]
     assert not named, "partitioner_tag outside graph/joint.py: " + ", ".join(named)
+
+
+def test_the_plan_holds_no_callbacks() -> None:
+    """The passes share data on the ``Plan``; what they ask of torch's min-cut they ask the
+    partitioner the pipeline hands them (``passes/partitioner.py``), never a function stored on
+    the plan, where a call up a layer would hide from the import graph."""
+    import dataclasses
+
+    from graphpass.decisions import Plan
+
+    callbacks = [f.name for f in dataclasses.fields(Plan) if "Callable" in str(f.type)]
+    assert not callbacks, callbacks

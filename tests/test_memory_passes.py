@@ -351,7 +351,7 @@ def test_no_selection_splits_a_quantize_of_both_usages():
     joints = []
     original = pipeline.PASSES
     at = [p.__name__ for p in original].index("recompute")
-    pipeline.PASSES = (*original[:at], lambda joint, plan, config: joints.append(joint))
+    pipeline.PASSES = (*original[:at], lambda joint, *_: joints.append(joint))
     try:
         torch.manual_seed(0)
         cfg = graphpass.Config(fp8="tensorwise", save_original="never", fp8_weight_once=True)
@@ -382,7 +382,7 @@ def test_no_selection_splits_a_quantize_of_both_usages():
     original_select = Regions.select
     Regions.select = lambda self, word: {getitem}
     try:
-        recompute(joint, Plan(), graphpass.Config(recompute=("mlp",)))
+        recompute(joint, Plan(), graphpass.Config(recompute=("mlp",)), None)  # asks no min-cut
     finally:
         Regions.select = original_select
     assert q.meta["recompute"] == getitem.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
@@ -405,7 +405,7 @@ def test_act_is_the_whole_chain_between_the_gemms_wherever_it_is_called():
     cfg = dict(fp8="tensorwise", memory="auto")
     joints = []
     original = pipeline.PASSES
-    pipeline.PASSES = (*original[:1], lambda joint, plan, config: joints.append(Regions(joint)))
+    pipeline.PASSES = (*original[:1], lambda joint, *_: joints.append(Regions(joint)))
     try:
         graphpass.plan(model, x, config=graphpass.Config(**cfg, recompute=("act",)))
     finally:

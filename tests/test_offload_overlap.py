@@ -178,10 +178,10 @@ def test_the_peak_walk_counts_a_prefetched_reload_from_its_start(monkeypatch):
                       key=nodes.index)
             use.prepend(reload[0])
     at_use = step_peak(fw, bw, **kwargs)
-    assert prefetched["device"] == "cuda" and prefetched["phase"] == "backward"
+    assert prefetched.device == "cuda" and prefetched.phase == "backward"
     assert len(reloads) == 3
-    assert set(reloads) <= {t["name"] for t in prefetched["live"]}
-    assert prefetched["backward_peak"] >= at_use["backward_peak"]
+    assert set(reloads) <= {t.name for t in prefetched.live}
+    assert prefetched.backward_peak >= at_use.backward_peak
 
 
 def test_offload_copies_of_the_partitioned_graphs(monkeypatch):
@@ -295,3 +295,19 @@ def test_a_budget_on_cuda_offloads_the_largest_longest_lived_tensors_whose_copie
         "memory_budget: offload relu (aten.relu, 64.00 MiB, 1.34 ms each way under 4.32 ms of "
         "forward and 8.55 ms of backward compute: hidden)"], notes
     assert "adding about 0.0 us by the roofline" in notes[-1], notes[-1]
+
+
+def test_the_budgets_offloads_turn_torchs_offloading_on_and_the_report_says_so(monkeypatch):
+    """With ``offload`` off, the budget's offload turns torch's activation offloading on for the
+    partitions after it (``Plan.torch_offloading``), the final one included: its forward offloads
+    the tensor, and the report says who turned the offloading on. No budget, no such note."""
+    unbudgeted = _budgeted(monkeypatch, None, BIG)
+    assert not [d for d in unbudgeted.decisions if d.what is What.TORCH_OFFLOADING]
+    assert not any(r.decided(What.OFFLOADED) for r in unbudgeted.rows)
+    report = _budgeted(monkeypatch, unbudgeted.meta["step_peak"]["bytes"] - BIG * BIG * 2, BIG)
+    assert [str(d) for d in report.decisions if d.what is What.TORCH_OFFLOADING] == [
+        "memory_budget: torch's activation offloading turned on (offload=False; for the tensors "
+        "it marked for offload)"]
+    offloaded = [r.name for r in report.rows if r.decided(What.OFFLOADED)]
+    assert len(offloaded) == 1 and offloaded[0].endswith("relu"), offloaded  # cpu_offload_relu
+    assert "memory_budget: torch's activation offloading turned on" in str(report)

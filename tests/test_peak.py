@@ -301,7 +301,7 @@ def test_inductor_buffers_of_a_bf16_norm_and_linear():
     them."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graphpass.graph.peak import inductor_buffers, inductor_kernels
+    from graphpass.graph.inductor_kernels import inductor_buffers, inductor_kernels
 
     def f(x, w, proj):
         h = x.float()
@@ -326,7 +326,7 @@ def test_inductor_kernels_of_two_weight_gradient_reductions():
     Inductor's scheduler orders a fused node (``topological_sort_schedule``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graphpass.graph.peak import inductor_buffers, inductor_kernels
+    from graphpass.graph.inductor_kernels import inductor_buffers, inductor_kernels
 
     def f(x, a, w1, w2, b):
         s1 = (x * a).sum(0)
@@ -380,7 +380,7 @@ def test_backward_order_moves_fused_reductions_beside_what_they_read():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graphpass.graph.backward_order import Moved, order_for_memory
-    from graphpass.graph.peak import inductor_kernels
+    from graphpass.graph.inductor_kernels import inductor_kernels
 
     def f(x, a, w1, w2, b):
         s1 = (x * a).sum(0)

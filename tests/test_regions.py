@@ -37,8 +37,8 @@ def _plan(model, cfg):
     original = pipeline.PASSES
 
     def recorded(graph_pass):
-        def run(joint, plan, config):
-            graph_pass(joint, plan, config)
+        def run(joint, plan, config, partitioner):
+            graph_pass(joint, plan, config, partitioner)
             if graph_pass.__name__ == "recompute":
                 selected.extend((op_name(n), tuple(tensor_val(n).shape) if tensor_val(n) is not None else ())
                                 for n in joint.graph.nodes
@@ -207,7 +207,7 @@ def test_every_word_finds_its_part_of_a_deepseek_layer(dtype, fp8):
     found = {}
     original = pipeline.PASSES
     at = [p.__name__ for p in original].index("recompute")
-    pipeline.PASSES = (*original[:at], lambda joint, plan, config: found.update(
+    pipeline.PASSES = (*original[:at], lambda joint, *_: found.update(
         (w, {module_path(n) for n in Regions(joint).select(w)}) for w in WORDS))
     try:
         graphpass.plan(model, x, config=graphpass.Config(fp8=fp8))

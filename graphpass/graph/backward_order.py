@@ -9,7 +9,7 @@ those reductions (the last norm's weight gradient) comes first and the last (the
 comes after the attention backward and the q, k and v data gradients, so every weight-gradient
 quantize and GEMM in between (the MLP's, o_proj's) runs after the attention backward, keeping its
 inputs alive there: at a Llama-3-8B layer in FP8, the MLP's two 224 MiB input gradients at the
-q_proj data gradient (``graph/peak.py`` models that schedule, ``inductor_kernels``).
+q_proj data gradient (``graph/inductor_kernels.py`` models that schedule).
 
 :func:`order_for_memory` moves each such group's reductions to where the group can run anyway:
 right after the last buffer any of them reads. A reduction before that point moves down there
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from .nodes import module_path
-from .peak import FusedReductions, fused_reductions
+from .inductor_kernels import FusedReductions, fused_reductions
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ class Moved:
 
 
 def order_for_memory(gm: fx.GraphModule) -> list[Moved]:
-    """Move each group of reductions Inductor fuses (``peak.fused_reductions``) beside the last
-    buffer its reductions read, where other kernels would wait for the group; what it moved.
+    """Move each group of reductions Inductor fuses (``inductor_kernels.fused_reductions``)
+    beside the last buffer its reductions read, where other kernels would wait for the group;
+    what it moved.
     The graph stays topologically valid (``gm.graph.lint()``) and computes the same values."""
     moved: list[Moved] = []
     for _ in range(len(gm.graph.nodes)):  # one group at a time, the groups read afresh after each

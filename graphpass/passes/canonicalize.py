@@ -17,9 +17,11 @@ import torch.fx as fx
 from .. import _compat
 from ..config import Config
 from ..decisions import Plan
+from .partitioner import TrialPartitioner
 
 
-def canonicalize(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def canonicalize(joint: fx.GraphModule, plan: Plan, config: Config,
+                 partitioner: TrialPartitioner) -> None:
     if _compat.remove_noop_ops(joint.graph):
         joint.graph.lint()
         joint.recompile()

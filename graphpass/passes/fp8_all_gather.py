@@ -40,11 +40,13 @@ from ..graph.joint import (Side, copy_checkpoint_tags, in_user_checkpoint, parti
                            set_partition_side)
 from ..graph.nodes import module_path, op_name
 from ..graph.ops import COLLECTIVE_GATHERS, COLLECTIVE_WAITS, GATHER_LAYOUT
+from .partitioner import TrialPartitioner
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def fp8_all_gather(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def fp8_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
+                   partitioner: TrialPartitioner) -> None:
     if config.fp8 is None:
         return
     gathers = [n for n in joint.graph.nodes if op_name(n) in COLLECTIVE_GATHERS]

@@ -1,7 +1,7 @@
 """The FP8 activation cache (``fp8_cache``, opt-in and lossy): saved activations stored in FP8.
 
 After the exact passes, torch's min-cut of a copy of the joint graph says what their plan saves
-(``Plan.exact_partition``). Each saved floating activation the level selects gets visible
+(``TrialPartitioner.saves``). Each saved floating activation the level selects gets visible
 nodes: ``cache_quantize`` in the forward (FP8 data of the same shape plus fp32 scales) and
 ``cache_dequantize`` pinned in the backward, which every backward reader of the activation then
 reads instead. torch's min-cut sees the 1-byte data and saves it in place of the original.
@@ -39,15 +39,16 @@ from ..graph.nodes import (is_backward, is_random, module_path, op_name, produce
                            tensor_val)
 from ..graph.ops import CASTS, VIEWS
 from ..graph.regions import Regions, is_attention
+from .partitioner import TrialPartitioner
 
 BY = "fp8_cache"
 
 
-def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config,
+              partitioner: TrialPartitioner) -> None:
     if config.fp8_cache is None:
         return
-    assert plan.exact_partition is not None, "the pipeline sets Plan.exact_partition"
-    saved, recomputed = plan.exact_partition(joint)
+    saved, recomputed = partitioner.saves(joint)
     selected = _select(joint, saved, config.fp8_cache, plan.parameters)
     plan.count("fp8_cache", config.fp8_cache, len(selected))
     graph = joint.graph
@@ -73,20 +74,20 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     graph.lint()
     joint.recompile()
     if cached:
-        undone, saved = _undo_saved_exact(joint, plan, cached)
+        undone, saved = _undo_saved_exact(joint, partitioner, cached)
         if undone:  # partition the graph as it is now
-            saved, _ = plan.exact_partition(joint)
+            saved, _ = partitioner.saves(joint)
         _still_exact(joint, plan, config, saved, undone)
 
 
-def _undo_saved_exact(joint: fx.GraphModule, plan: Plan,
+def _undo_saved_exact(joint: fx.GraphModule, partitioner: TrialPartitioner,
                       cached: dict[fx.Node, fx.Node]) -> tuple[set[fx.Node], list[fx.Node]]:
     """The cached tensors torch's min-cut of the rewritten graph still saves exact (a backward
     recompute reads the original): their quantize would run in the backward on the exact saved
     value, a lossy read that saves no byte. Undo the cache for them (their backward readers read
     the original again); returns them and what the min-cut saved. A reused FP8 lowering copy is
     left as it is."""
-    saved, _ = plan.exact_partition(joint)
+    saved, _ = partitioner.saves(joint)
     undone = set()
     for node in dict.fromkeys(map(_base, saved)):
         q = cached.get(node)

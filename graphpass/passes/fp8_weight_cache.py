@@ -24,7 +24,7 @@ a budget, ``"auto"`` caches nothing and says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -37,6 +37,8 @@ from ..graph.nodes import is_backward, module_path, tensor_bytes
 from ..graph.offload_copies import format_seconds
 from ..graph.roofline import H100
 from ..report import format_bytes
+from ..report.peak import StepPeak
+from .partitioner import TrialPartitioner
 from .save_original import merge_usages
 from .tags import overruled_by_user, tag, user_policy
 
@@ -75,7 +77,8 @@ class Candidate:
         return H100.compute(0, self.work)
 
 
-def fp8_weight_cache(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def fp8_weight_cache(joint: fx.GraphModule, plan: Plan, config: Config,
+                     partitioner: TrialPartitioner) -> None:
     if config.fp8 is None or not config.fp8_weight_cache:
         return
     candidates, overruled = candidates_of(joint, plan, notes=True)
@@ -171,14 +174,14 @@ class _Toggles:
                         q.meta["recompute"] = self.tags[q]
 
 
-def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
-                  peak: dict[str, Any], predict: Callable[[], dict[str, Any]]) -> None:
+def within_budget(joint: fx.GraphModule, plan: Plan, partitioner: TrialPartitioner, budget: int,
+                  of_what: str, peak: StepPeak) -> None:
     """``fp8_weight_cache="auto"``, once the budget's plan fits (its predicted ``peak``): cache
     the weights that save the most quantize work per cached byte first (of equal saving per
     byte, the largest first), while the predicted peak, their copies counted, stays within
     ``budget``: the longest run of that order that fits (a bisection), then each later weight
-    that fits on top (one partition each, at most ``MAX_TRIES``). ``predict`` partitions the
-    joint graph as tagged and returns its peak. A note per weight, cached or not, and a summary."""
+    that fits on top (one partition each, at most ``MAX_TRIES``), each try a peak predicted by
+    ``partitioner``. A note per weight, cached or not, and a summary."""
     candidates, _ = candidates_of(joint, plan)  # the pass noted the overruled ones
     order = sorted(candidates, key=lambda c: (-c.work / max(c.bytes, 1), -c.bytes,
                                               c.weight.name))
@@ -186,12 +189,12 @@ def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
     partitions = 0
     fitting = peak
 
-    def fits(chosen: list[Candidate]) -> dict[str, Any] | None:
+    def fits(chosen: list[Candidate]) -> StepPeak | None:
         nonlocal partitions
         toggles.set(chosen, on=True)
         partitions += 1
-        got = predict()
-        if got["bytes"] <= budget:
+        got = partitioner.predict_peak(joint).peak
+        if got.bytes <= budget:
             return got
         toggles.set(chosen, on=False)
         return None
@@ -233,7 +236,7 @@ def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
     joint.recompile()
     if kept:
         partitions += 1
-        fitting = predict()
+        fitting = partitioner.predict_peak(joint).peak
     for c in order:
         if c.weight.name in nodes:
             plan.decide(Decision(What.WEIGHT_CACHED, BY, (
@@ -252,8 +255,8 @@ def within_budget(joint: fx.GraphModule, plan: Plan, budget: int, of_what: str,
     plan.decide(Decision(What.WEIGHT_CACHE, BY, (
         f"'auto' under memory_budget: {len(kept)} of {len(order)} weight(s) cached ({held:,} B), "
         f"saving about {format_seconds(sum(c.seconds for c in kept))} of quantize per "
-        f"micro-batch by the roofline of an H100; predicted peak {format_bytes(peak['bytes'])} "
-        f"-> {format_bytes(fitting['bytes'])} within {format_bytes(budget)}{of_what}; "
+        f"micro-batch by the roofline of an H100; predicted peak {format_bytes(peak.bytes)} "
+        f"-> {format_bytes(fitting.bytes)} within {format_bytes(budget)}{of_what}; "
         f"{partitions} partition(s)")))
 
 

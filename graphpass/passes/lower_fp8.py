@@ -40,12 +40,14 @@ from ..graph.flops import node_flops
 from ..graph.heads import HEAD_PATTERNS, output_heads
 from ..graph.linears import Linear, find_grouped, find_grouped_offsets, find_linears
 from ..graph.nodes import module_path, op_name
+from .partitioner import TrialPartitioner
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
 
 
-def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
+              partitioner: TrialPartitioner) -> None:
     recipe = config.recipe
     if recipe is None:
         return

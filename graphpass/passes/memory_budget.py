@@ -57,8 +57,10 @@ from ..graph.nodes import (is_backward, is_random, module_path, op_name, produce
 from ..graph.regions import forward_calls
 from ..graph.roofline import H100
 from ..report import format_bytes
+from ..report.peak import StepPeak
 from .fp8_weight_cache import within_budget
 from .offload import why_not_offloaded
+from .partitioner import TrialPartitioner
 from .tags import user_policy
 
 MAX_BATCH = 4
@@ -95,31 +97,32 @@ class _Choice:
         return f"{self.action} {self.node.name} ({op_name(self.node)}, {format_bytes(self.bytes)}"
 
 
-def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config,
+                  partitioner: TrialPartitioner) -> None:
     if config.memory_budget is None:
         return
-    assert plan.predict_peak is not None
     budget, of_what = budget_bytes(config.memory_budget, plan)
-    peak, saved, windows = plan.predict_peak(joint)
-    if peak["bytes"] <= budget:
+    peak, saved, windows = partitioner.predict_peak(joint)
+    if peak.bytes <= budget:
         plan.decide(Decision(What.BUDGETED, "memory_budget", (
-            f"the predicted peak {format_bytes(peak['bytes'])} fits {format_bytes(budget)}"
+            f"the predicted peak {format_bytes(peak.bytes)} fits {format_bytes(budget)}"
             f"{of_what} without a change")))
-        _cache_weights(joint, plan, config, budget, of_what, peak)
+        _cache_weights(joint, plan, config, partitioner, budget, of_what, peak)
         return
-    unbudgeted = peak["bytes"]
-    on_device = peak["device"] != "cpu"
+    unbudgeted = peak.bytes
+    on_device = peak.device != "cpu"
     overlap = on_device and config.offload_stream is not False
     tags = {n: n.meta.get("recompute") for n in joint.graph.nodes}
     recomputable = [n for n in forward_calls(joint) if _recomputable(n)]
     offloadable = [n for n in forward_calls(joint) if on_device and not n.meta.get("should_offload")
                    and _offloadable(n, config, plan)]
-    search = _Search(joint, plan, tags, offloadable, peak, saved, windows)
+    search = _Search(joint, plan, partitioner, tags, offloadable, peak, saved, windows,
+                     torch_offloads=config.offload)
 
     # 1. the cheapest choices live at the peak, while they lower it; 2. where that stalls,
     # everything at once, pruned; 3. where everything at once does not fit either (its
     # recomputes can raise the backward's peak), the greedy search without a limit
-    resident = peak["by_kind"].get("parameter", 0) + peak["by_kind"].get("input", 0)
+    resident = peak.by_kind.get("parameter", 0) + peak.by_kind.get("input", 0)
     reachable = budget >= resident  # below what no plan frees, no search without a limit
     tried: set[tuple[str, str]] = set()  # (node, action) that alone did not lower the peak
     offloaded: list[tuple[str, int]] = []  # the offloads chosen so far: saved name, bytes
@@ -127,7 +130,7 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
     greedy = search.partitions
     how = f"{greedy} trying the cheapest choices live at the peak"
     every = None
-    if search.peak["bytes"] <= budget:
+    if search.peak.bytes <= budget:
         final, kept = search.peak, chosen
     else:
         search.set(chosen, on=False)
@@ -139,7 +142,7 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
                 search.set(chosen, on=True)
                 search.predict()
                 chosen += _greedy(search, budget, offloadable, overlap, None, tried, offloaded)
-            if search.peak["bytes"] > budget:
+            if search.peak.bytes > budget:
                 search.set(chosen, on=False)
                 raise ValueError(_unmet(config.memory_budget, budget, of_what, search.smallest))
             final, kept = search.peak, chosen
@@ -150,22 +153,22 @@ def memory_budget(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
         plan.decide(Decision(What.BUDGETED, "memory_budget", _kept_text(c, search.windows),
                              module_path(c.node), c.node.name))
     plan.decide(Decision(What.BUDGETED, "memory_budget", (
-        f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(final['bytes'])} within "
+        f"predicted peak {format_bytes(unbudgeted)} -> {format_bytes(final.bytes)} within "
         f"{format_bytes(budget)}{of_what}; {len(kept)} choice(s), adding about "
         f"{format_seconds(sum(c.seconds for c in kept))} by the roofline of an H100"
         + ("" if every is None else
            f" against {format_seconds(every)} for every choice the backward reads")
         + f"; {search.partitions} partition(s): {how}")))
-    _cache_weights(joint, plan, config, budget, of_what, final)
+    _cache_weights(joint, plan, config, partitioner, budget, of_what, final)
 
 
-def _cache_weights(joint: fx.GraphModule, plan: Plan, config: Config, budget: int,
-                   of_what: str, peak: dict[str, Any]) -> None:
+def _cache_weights(joint: fx.GraphModule, plan: Plan, config: Config,
+                   partitioner: TrialPartitioner, budget: int, of_what: str,
+                   peak: StepPeak) -> None:
     """``fp8_weight_cache="auto"``: the weights cached within what the plan leaves of the
     budget (``fp8_weight_cache.within_budget``)."""
     if config.fp8 is not None and config.fp8_weight_cache == "auto":
-        assert plan.predict_peak is not None
-        within_budget(joint, plan, budget, of_what, peak, lambda: plan.predict_peak(joint)[0])
+        within_budget(joint, plan, partitioner, budget, of_what, peak)
 
 
 def _greedy(search: _Search, budget: int, offloadable: list[fx.Node], overlap: bool,
@@ -179,26 +182,26 @@ def _greedy(search: _Search, budget: int, offloadable: list[fx.Node], overlap: b
     Returns the choices kept (applied); ``tried`` and ``offloaded`` carry on to a later call."""
     chosen: list[_Choice] = []
     misses = 0
-    while search.peak["bytes"] > budget and (max_misses is None or misses < max_misses):
+    while search.peak.bytes > budget and (max_misses is None or misses < max_misses):
         peak, saved, windows = search.peak, search.saved, search.windows
         options = []
         kept = set(saved.values()) | set(search.plan.primals)
-        for live in peak["live"]:
-            node = saved.get(live["name"])
-            if live["kind"] != "saved" or node is None:
+        for live in peak.live:
+            node = saved.get(live.name)
+            if live.kind != "saved" or node is None:
                 continue
             source = producer(node)
             if (source.name, "recompute") not in tried and _recomputable(source):
-                c = _Choice("recompute", source, live["bytes"], _recompute_seconds(source), 0.0)
+                c = _Choice("recompute", source, live.bytes, _recompute_seconds(source), 0.0)
                 # a recompute from tensors saved anyway frees its output; one that needs others
                 # saved in its place may not: tried after
                 needs_more = any(i not in kept for i in source.all_input_nodes)
-                options.append((needs_more, c, live["name"]))
+                options.append((needs_more, c, live.name))
             if (node.name, "offload") not in tried and node in offloadable:
-                adds = (windows.late([*offloaded, (live["name"], live["bytes"])])
-                        - windows.late(offloaded)) if overlap else 2 * H100.copy(live["bytes"])
-                options.append((False, _Choice("offload", node, live["bytes"], max(adds, 0.0),
-                                               _lifetime(live["name"], windows)), live["name"]))
+                adds = (windows.late([*offloaded, (live.name, live.bytes)])
+                        - windows.late(offloaded)) if overlap else 2 * H100.copy(live.bytes)
+                options.append((False, _Choice("offload", node, live.bytes, max(adds, 0.0),
+                                               _lifetime(live.name, windows)), live.name))
         if not options:
             break
         # the cheapest per byte; of equal cost (hidden offloads cost nothing) the largest, then
@@ -212,13 +215,13 @@ def _greedy(search: _Search, budget: int, offloadable: list[fx.Node], overlap: b
                 continue
             batch.append((c, name))
             covered += c.bytes
-            if covered >= peak["bytes"] - budget or len(batch) == MAX_BATCH:
+            if covered >= peak.bytes - budget or len(batch) == MAX_BATCH:
                 break
         # the cheapest choices that cover the excess, tried together, then without the last
         # one and so on
         for size in (batch[:n] for n in range(len(batch), 0, -1)):
             search.set([c for c, _ in size], on=True)
-            if search.predict()["bytes"] < peak["bytes"]:
+            if search.predict().bytes < peak.bytes:
                 break
             search.set([c for c, _ in size], on=False)
             search.peak, search.saved, search.windows = peak, saved, windows
@@ -234,7 +237,7 @@ def _greedy(search: _Search, budget: int, offloadable: list[fx.Node], overlap: b
 
 def _all_in(search: _Search, budget: int, recomputable: list[fx.Node],
             offloadable: list[fx.Node], overlap: bool, how: str
-            ) -> tuple[dict[str, Any], list[_Choice], float, str] | None:
+            ) -> tuple[StepPeak, list[_Choice], float, str] | None:
     """From the plan without choices: everything at once, then the shortest run of the
     cheapest per byte that fits, then the costliest of it given back. Returns the final peak,
     the choices kept, the roofline time of every choice the backward reads, and how the
@@ -248,7 +251,7 @@ def _all_in(search: _Search, budget: int, recomputable: list[fx.Node],
     everyone = list(choices)
     search.set(everyone, on=True)
     everything = search.predict()
-    if everything["bytes"] > budget:
+    if everything.bytes > budget:
         search.set(everyone, on=False)
         return None
     needed = _read_by_backward(search.joint)
@@ -266,7 +269,7 @@ def _all_in(search: _Search, budget: int, recomputable: list[fx.Node],
         mid = (short + fits) // 2
         search.set(order[:mid], on=True)
         search.set(order[mid:], on=False)
-        if search.predict()["bytes"] <= budget:
+        if search.predict().bytes <= budget:
             fits = mid
         else:
             short = mid
@@ -278,7 +281,7 @@ def _all_in(search: _Search, budget: int, recomputable: list[fx.Node],
     kept, done = _prune(search, order[:fits], budget)
     pruning = search.partitions - prefix
     final = search.predict()
-    if final["bytes"] > budget:  # not expected: back to everything at once, which fits
+    if final.bytes > budget:  # not expected: back to everything at once, which fits
         search.set(everyone, on=True)
         kept, final = everyone, search.predict()
     how += (f", 1 for everything at once ({len(choices)} choice(s) the backward reads), "
@@ -293,10 +296,12 @@ class _Search:
     """The joint graph's tags under a set of choices, the last prediction (peak, saved tensors by
     name, copy windows), the smallest peak predicted and the partitions taken."""
 
-    def __init__(self, joint: fx.GraphModule, plan: Plan, tags: dict[fx.Node, Any],
-                 offloadable: list[fx.Node], peak: dict[str, Any], saved: dict[str, fx.Node],
-                 windows: Windows) -> None:
+    def __init__(self, joint: fx.GraphModule, plan: Plan, partitioner: TrialPartitioner,
+                 tags: dict[fx.Node, Any], offloadable: list[fx.Node], peak: StepPeak,
+                 saved: dict[str, fx.Node], windows: Windows, *, torch_offloads: bool) -> None:
         self.joint, self.plan, self.tags, self.offloadable = joint, plan, tags, offloadable
+        self.partitioner = partitioner
+        self.torch_offloads = torch_offloads  # torch's offloading is on without the budget
         self.peak, self.saved, self.windows = peak, saved, windows
         self.smallest = peak
         self.partitions = 1
@@ -312,12 +317,14 @@ class _Search:
                 mark_for_offload(c.node)
             else:
                 c.node.meta.pop("should_offload", None)
-        self.plan.budget_offloads = any(n.meta.get("should_offload") for n in self.offloadable)
+        # offloads of its own turn torch's offloading on, for every partition after this one
+        offloads = any(n.meta.get("should_offload") for n in self.offloadable)
+        self.plan.torch_offloading = "memory_budget" if offloads and not self.torch_offloads else ""
 
-    def predict(self) -> dict[str, Any]:
-        self.peak, self.saved, self.windows = self.plan.predict_peak(self.joint)
+    def predict(self) -> StepPeak:
+        self.peak, self.saved, self.windows = self.partitioner.predict_peak(self.joint)
         self.partitions += 1
-        self.smallest = min(self.smallest, self.peak, key=lambda p: p["bytes"])
+        self.smallest = min(self.smallest, self.peak, key=lambda p: p.bytes)
         return self.peak
 
 
@@ -367,7 +374,7 @@ def _prune(search: _Search, run: list[_Choice], budget: int) -> tuple[list[_Choi
 
     def fits_without(k: int) -> bool:
         search.set(remaining[:k], on=False)
-        fits = search.predict()["bytes"] <= budget
+        fits = search.predict().bytes <= budget
         search.set(remaining[:k], on=True)
         return fits
 
@@ -422,13 +429,13 @@ def _set_policy(node: fx.Node, policy: Any) -> None:
         node.meta["recompute"] = policy
 
 
-def _unmet(value: int | float, budget: int, of_what: str, smallest: dict[str, Any]) -> str:
-    holds = ", ".join(f"{t['kind']} {t['name']} ({format_bytes(t['bytes'])})"
-                      for t in smallest["live"][:5])
+def _unmet(value: int | float, budget: int, of_what: str, smallest: StepPeak) -> str:
+    holds = ", ".join(f"{t.kind} {t.name} ({format_bytes(t.bytes)})"
+                      for t in smallest.live[:5])
     return (f"memory_budget={value!r} ({format_bytes(budget)}{of_what}) cannot be met: the "
-            f"smallest predicted step peak graphpass reaches is {format_bytes(smallest['bytes'])} "
-            f"({smallest['bytes']:,} B), in the {smallest['phase']} at {smallest['node']}; live "
-            "there: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest["by_kind"].items())
+            f"smallest predicted step peak graphpass reaches is {format_bytes(smallest.bytes)} "
+            f"({smallest.bytes:,} B), in the {smallest.phase} at {smallest.node}; live "
+            "there: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest.by_kind.items())
             + f"; biggest: {holds}")
 
 

@@ -27,9 +27,11 @@ from ..graph.offload_copies import format_seconds
 from ..graph.roofline import H100
 from ..graph.ops import VIEWS
 from ..report import format_bytes
+from .partitioner import TrialPartitioner
 
 
-def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def offload(joint: fx.GraphModule, plan: Plan, config: Config,
+            partitioner: TrialPartitioner) -> None:
     # Every value the forward can compute may be saved: backward nodes too, where they read no
     # tangent, since the min-cut may run them in the forward and save their output (torch 2.14
     # saves a LayerNorm backward's normalized input where 2.13 saves the forward's equal one).
@@ -49,13 +51,13 @@ def offload(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             mark_for_offload(node)
 
 
-def offload_hidden(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def offload_hidden(joint: fx.GraphModule, plan: Plan, config: Config,
+                   partitioner: TrialPartitioner) -> None:
     """With ``offload_hidden_only``: keep the offload marks of the saved tensors whose copies
     hide, largest and longest-lived first (runs after the passes that decide what is saved)."""
     if not (config.offload and config.offload_hidden_only):
         return
-    assert plan.predict_peak is not None
-    _, _, windows = plan.predict_peak(joint)  # torch's min-cut with every eligible tensor marked
+    windows = partitioner.predict_peak(joint).windows  # every eligible tensor marked
     by_name = {n.name: n for n in joint.graph.nodes}
     saved = [by_name[name] for name in windows.out if name in by_name
              and by_name[name].meta.get("should_offload")]

@@ -19,10 +19,12 @@ from ..decisions import Decision, Plan, What
 from ..graph.flops import node_flops, step_flops
 from ..graph.nodes import is_random
 from ..graph.regions import forward_calls, is_expensive
+from .partitioner import TrialPartitioner
 from .tags import overruled_by_user, tag, user_policy
 
 
-def plan_memory(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def plan_memory(joint: fx.GraphModule, plan: Plan, config: Config,
+                partitioner: TrialPartitioner) -> None:
     if config.memory_policy != "auto":
         return
     candidates = []

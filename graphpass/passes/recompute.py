@@ -18,10 +18,12 @@ from ..decisions import Decision, Plan, What
 from ..graph.nodes import is_backward, module_path
 from ..graph.regions import Regions
 from ..paths import layer_of
+from .partitioner import TrialPartitioner
 from .tags import overruled_by_user, tag, user_policy
 
 
-def recompute(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def recompute(joint: fx.GraphModule, plan: Plan, config: Config,
+              partitioner: TrialPartitioner) -> None:
     if not config.recompute:
         return
     regions = Regions(joint)

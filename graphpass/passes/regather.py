@@ -40,20 +40,21 @@ from ..config import Config
 from ..decisions import FACTS, Decision, Plan, What
 from ..graph.joint import Side, partition_side
 from ..graph.nodes import is_backward, module_path, op_name, tensor_val
+from .partitioner import TrialPartitioner
 from .tags import tag, user_policy
 
 BY = "dispatch"
 _VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.alias")
 
 
-def regather(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def regather(joint: fx.GraphModule, plan: Plan, config: Config,
+             partitioner: TrialPartitioner) -> None:
     if config.fp8 is None:
         return
     candidates = [(q, g) for q in _expert_input_quantizes(joint) if (g := _gather(q.args[0]))]
     if not candidates:
         return
-    assert plan.exact_partition is not None, "the pipeline sets Plan.exact_partition"
-    saved, _ = plan.exact_partition(joint)
+    saved, _ = partitioner.saves(joint)
     before = _bytes(saved, plan)
     saved_storages = {_storage(n) for n in saved} - {None}
     undo: dict[fx.Node, tuple[object, object]] = {}
@@ -102,7 +103,7 @@ def regather(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
             f"{gain:,} B of the dispatched tokens ({cost:,} B more kept)")))
     if not applied:
         return
-    after = _bytes(plan.exact_partition(joint)[0], plan)
+    after = _bytes(partitioner.saves(joint).saved, plan)
     if after >= before:
         for node, (policy, known) in undo.items():
             _restore(node, policy, known)

@@ -31,10 +31,12 @@ from ..decisions import FACTS, Decision, Plan, What, facts
 from ..fp8.ops import QUANTIZE
 from ..graph.joint import Side, in_user_checkpoint, set_partition_side
 from ..graph.nodes import is_backward, module_path, op_name, tensor_bytes
+from .partitioner import TrialPartitioner
 
 
 
-def save_original(joint: fx.GraphModule, plan: Plan, config: Config) -> None:
+def save_original(joint: fx.GraphModule, plan: Plan, config: Config,
+                  partitioner: TrialPartitioner) -> None:
     if config.fp8 is None:
         return
     rowwise: dict[tuple[fx.Node, str], fx.Node] = {}

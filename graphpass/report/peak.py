@@ -1,16 +1,68 @@
-"""The step's predicted memory peak as the report keeps it (``report.meta["step_peak"]``): how
-many bytes, where in the step, and what is live there. Pure data; ``graph/peak.py`` computes it
-from the partitioned graphs."""
+"""The step's predicted memory peak: how many bytes, where in the step, and what is live there.
+Pure data; ``graph/peak.py`` computes it from the partitioned graphs as a :class:`StepPeak`,
+which the passes read; the report keeps its JSON form (``StepPeak.to_dict``,
+``report.meta["step_peak"]``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from .totals import format_bytes
 
 # What a live tensor at the peak is, in the order the text lists the totals.
 LIVE_KINDS = ("parameter", "input", "cached", "saved", "output", "gradient", "transient",
               "offloaded")
+
+
+class LiveTensor(NamedTuple):
+    """A storage live at the peak: the node that allocated it, and what it is (``LIVE_KINDS``)."""
+
+    name: str
+    op: str
+    module: str
+    kind: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """The step's predicted peak on the compute device."""
+
+    bytes: int
+    device: str
+    phase: str
+    """``forward`` or ``backward``."""
+    node: str
+    """The node running at the peak (``-`` where it is before the first)."""
+    module: str
+    op: str
+    live: tuple[LiveTensor, ...]
+    """What is live there, biggest first."""
+    forward_peak: int
+    backward_peak: int
+    runtime: str
+    """``inductor`` or ``eager``: the code whose freeing the walk follows."""
+
+    @classmethod
+    def of(cls, *, live: list[LiveTensor], **fields: Any) -> "StepPeak":
+        """The peak, ``live`` sorted biggest first (then by name), as the JSON form lists it."""
+        return cls(live=tuple(sorted(live, key=lambda t: (-t.bytes, t.name))), **fields)
+
+    @property
+    def by_kind(self) -> dict[str, int]:
+        """The bytes live at the peak per kind, in the order of ``LIVE_KINDS``."""
+        by_kind: dict[str, int] = {}
+        for t in self.live:
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + t.bytes
+        return {k: by_kind[k] for k in LIVE_KINDS if k in by_kind}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form the report keeps (``peak_dict``)."""
+        return peak_dict(bytes=self.bytes, device=self.device, phase=self.phase, node=self.node,
+                         module=self.module, op=self.op, live=[t._asdict() for t in self.live],
+                         forward_peak=self.forward_peak, backward_peak=self.backward_peak,
+                         runtime=self.runtime)
 
 
 def peak_dict(*, bytes: int, device: str, phase: str, node: str, module: str, op: str,
