@@ -13,7 +13,9 @@ as rowwise) and FP8 ``tensorwise`` in its default HYBRID format (E5M2 gradients:
 one GEMM per expert), all on ``kernels="scaled_mm"``; speedups are against the bf16 row of the
 same run. Each FP8 step is then profiled (``torch.profiler``): its kernel time, the GEMM
 share, the GEMM launches and device copies per step (a per-expert loop shows as at least one
-GEMM launch per expert, judged; its copies are reported beside), and its top kernels.
+GEMM launch per expert, judged; its copies are reported beside), and its top kernels. Where a
+``CUDA graphs`` row is picked, bf16 and FP8 rowwise run again under Inductor's CUDA graphs
+(``triton.cudagraphs``), the FP8 row against that bf16 row: the step without its launch gaps.
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes with Inductor replaced by eager code
 generation, so the script cannot rot between GPU runs; its numbers are CPU numbers, it counts
@@ -70,6 +72,7 @@ def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[
 
 
 INDUCTOR_TOKENS = "inductor_token_quantize"  # a benchmark switch, not a graphpass option
+CUDAGRAPHS = "cudagraphs"  # a benchmark switch: Inductor's triton.cudagraphs around the run
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
     ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
@@ -83,6 +86,11 @@ CONFIGS: list[tuple[str, dict[str, object]]] = [
     # the peer: torchao's MoE FP8 training (rowwise, its own Triton quantize kernels) on the
     # experts' _grouped_mm weights, under torch.compile's default Inductor
     ("torchao MoE FP8 rowwise", {"torchao_moe": True}),
+    # launch gaps: bf16 and FP8 rowwise again under Inductor's CUDA graphs, the FP8 row judged
+    # against the bf16 one above it (run where a CUDA-graph row is picked)
+    ("bf16, CUDA graphs", {"fp8": None, CUDAGRAPHS: True}),
+    ("FP8 rowwise/scaled_mm, CUDA graphs", {"fp8": "rowwise", "kernels": "scaled_mm",
+                                            CUDAGRAPHS: True}),
 ]
 # The configs whose expert GEMMs are one grouped kernel each: judged for a per-expert loop.
 ROWWISE, TORCHAO = "FP8 rowwise/scaled_mm", "torchao MoE FP8 rowwise"
@@ -137,6 +145,8 @@ def run(case: Case, options: dict[str, object], device: torch.device, codegen: s
     if options.get(INDUCTOR_TOKENS) and case.module != "_experts":
         return Result(case.label, "", note="skipped: no token-grouped GEMMs in this model"), None
     with contextlib.ExitStack() as stack:
+        if options.pop(CUDAGRAPHS, False):
+            stack.enter_context(torch._inductor.config.patch({"triton.cudagraphs": True}))
         if options.pop(INDUCTOR_TOKENS, False):
             stack.enter_context(mock.patch.object(graphpass.fp8.ops, "uses_triton_group_kernel",
                                                   lambda *args: False))
@@ -281,14 +291,20 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases(args.dry_run, args.cases):
         for micro in args.micro_batches:
             baseline = None
+            graphs = any(CUDAGRAPHS in o and picked(lab, args.configs) for lab, o in CONFIGS
+                         if lab != "bf16, CUDA graphs")
             for label, options in CONFIGS:
-                if label != "bf16" and not picked(label, args.configs):
+                if label == "bf16, CUDA graphs":
+                    if not graphs:  # the baseline of the CUDA-graph rows, run with them
+                        continue
+                elif label != "bf16" and not picked(label, args.configs):
                     continue
                 if micro > 1 and label != "bf16" and label != ROWWISE:
                     continue  # accumulation: bf16 against rowwise with the weight cache
                 result, prof = run(case, options, device, codegen, steps, warmup,
-                                   with_profile=options.get("fp8") is not None
-                                   or bool(options.get("torchao_moe")), micro=micro)
+                                   with_profile=(options.get("fp8") is not None
+                                                 or bool(options.get("torchao_moe")))
+                                   and not options.get(CUDAGRAPHS), micro=micro)
                 if micro > 1:
                     label = f"{label}, {micro} micro-batches" + (
                         ", weight cache" if options.get("fp8") else "")

@@ -122,7 +122,7 @@ def step_configs(mode: Mode) -> list[tuple[str, dict[str, object] | None]]:
         (f"torchao float8 + torch.compile ({inductor})", {"torchao": True}),
         # launch gaps: Inductor's CUDA graphs (cudagraph trees) for the baseline and the default
         (f"bf16, torch.compile default ({inductor}), CUDA graphs", {"cudagraphs": True}),
-        (f"graphpass FP8 tensorwise/{k}, default, CUDA graphs",
+        (f"graphpass FP8 tensorwise/{k}, CUDA graphs",
          {"fp8": "tensorwise", "kernels": k, "cudagraphs": True}),
     ]
 

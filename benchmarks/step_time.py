@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._inductor.config  # noqa: F401  (triton.cudagraphs, patched per config)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ lives in the repo root
 import graphpass  # noqa: E402

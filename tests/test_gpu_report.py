@@ -101,7 +101,8 @@ def test_experts_benchmark_dry_run(tmp_path):
     for config in ("bf16", "FP8 rowwise/scaled_mm",
                    "FP8 rowwise/scaled_mm, Inductor token quantize", "FP8 tensorwise e4m3/scaled_mm",
                    "FP8 tensorwise/scaled_mm", "bf16, 4 micro-batches",
-                   "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache"):
+                   "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache", "bf16, CUDA graphs",
+                   "FP8 rowwise/scaled_mm, CUDA graphs"):
         cells = rows[("experts, 8,192 tokens", config)]
         assert re.fullmatch(r"\d+\.\d\d", cells[ms]), cells
         assert "failed" not in cells[note], cells
@@ -140,3 +141,15 @@ def test_model_section_dry_run(tmp_path):
     assert "1 Llama-3-8B layer with AdamW: graphpass FP8 tokens/s at least 1.25x bf16's (" in targets
     assert "NOT MEASURED: 1 Llama-3-8B layer with AdamW: graphpass FP8 peak at most 0.8x bf16's" in targets
     assert "NOT MEASURED: 1 Llama-3-8B layer with AdamW: graphpass FP8 peak at most torchao's" in targets
+
+
+def test_cuda_graph_rows_run_under_a_filter_only_when_it_names_them():
+    """The GPU scripts' stages filter configs by words (``--configs rowwise``); the CUDA-graph
+    rows would add their compiles to those stages' time, so a filter runs them only by name."""
+    picked = _load().picked  # gpu_report's, which is _harness's
+    row = "FP8 rowwise/scaled_mm, CUDA graphs"
+    assert picked(row, None)
+    assert not picked(row, ["rowwise"])
+    assert picked(row, ["CUDA graphs"])
+    assert picked("FP8 rowwise/scaled_mm", ["rowwise"])
+    assert not picked("FP8 rowwise/scaled_mm", ["CUDA graphs"])
