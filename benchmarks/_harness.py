@@ -9,11 +9,13 @@ tensors).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
+import torch._inductor.config
 import torch.utils.benchmark as benchmark
 
 WARMUP = 3
@@ -45,7 +47,20 @@ def reason(error: BaseException) -> str:
     return first.split(";")[0].split(", or use")[0]
 
 
-GRAPHS = "CUDA graphs"
+GRAPHS = "CUDA graphs"  # the words of a config's label that runs under Inductor's CUDA graphs
+CUDAGRAPHS = "cudagraphs"  # the benchmark switch in a config's options that asks for them
+
+
+def cuda_graphs(options: dict[str, Any] | None
+                ) -> tuple[dict[str, Any] | None, ContextManager[Any]]:
+    """A config's ``options`` without the ``CUDAGRAPHS`` switch (None where nothing else is
+    left: torch.compile's default), and the context to compile and run it in: Inductor's
+    ``triton.cudagraphs`` on where the switch was, nothing otherwise."""
+    rest = {k: v for k, v in (options or {}).items() if k != CUDAGRAPHS}
+    on = bool(options and options.get(CUDAGRAPHS))
+    context = (torch._inductor.config.patch({"triton.cudagraphs": True}) if on
+               else contextlib.nullcontext())
+    return rest or None, context
 
 
 def picked(label: str, configs: Sequence[str] | None) -> bool:
@@ -125,8 +140,8 @@ def _measure_memory(result: Result, forward: Callable[[], torch.Tensor],
     after_forward = torch.cuda.memory_allocated(device)
     backward(out)
     torch.cuda.synchronize()
-    grads = sum(_storage_bytes(t.grad) for t in [*params, *inputs] if t.grad is not None)
-    out_bytes = _storage_bytes(out)
+    grads = sum(storage_bytes(t.grad) for t in [*params, *inputs] if t.grad is not None)
+    out_bytes = storage_bytes(out)
     del out
     # After the backward only weights, inputs, grad_out and gradients remain allocated.
     steady = torch.cuda.memory_allocated(device) - grads
@@ -135,5 +150,5 @@ def _measure_memory(result: Result, forward: Callable[[], torch.Tensor],
     result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def _storage_bytes(t: torch.Tensor) -> int:
+def storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()

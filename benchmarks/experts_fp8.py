@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
-from _harness import Result, is_gemm, measure, picked, reason, step_ms  # noqa: E402
+from _harness import (CUDAGRAPHS, Result, cuda_graphs, is_gemm, measure, picked,  # noqa: E402
+                      reason, step_ms)
 
 # The speed targets: FP8 rowwise against bf16 in the same run.
 TARGETS = {"experts, 32,768 tokens": 1.30, "experts, 8,192 tokens": 1.0, "DeepSeek-V3 layer": 0.9}
@@ -72,7 +73,6 @@ def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[
 
 
 INDUCTOR_TOKENS = "inductor_token_quantize"  # a benchmark switch, not a graphpass option
-CUDAGRAPHS = "cudagraphs"  # a benchmark switch: Inductor's triton.cudagraphs around the run
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
     ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
@@ -87,7 +87,7 @@ CONFIGS: list[tuple[str, dict[str, object]]] = [
     # experts' _grouped_mm weights, under torch.compile's default Inductor
     ("torchao MoE FP8 rowwise", {"torchao_moe": True}),
     # launch gaps: bf16 and FP8 rowwise again under Inductor's CUDA graphs, the FP8 row judged
-    # against the bf16 one above it (run where a CUDA-graph row is picked)
+    # against the bf16 one above it (a --configs filter runs them where it says "CUDA graphs")
     ("bf16, CUDA graphs", {"fp8": None, CUDAGRAPHS: True}),
     ("FP8 rowwise/scaled_mm, CUDA graphs", {"fp8": "rowwise", "kernels": "scaled_mm",
                                             CUDAGRAPHS: True}),
@@ -141,12 +141,11 @@ def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
 
 def run(case: Case, options: dict[str, object], device: torch.device, codegen: str, steps: int,
         warmup: int, with_profile: bool, micro: int = 1) -> tuple[Result, Profile | None]:
-    options = dict(options)
     if options.get(INDUCTOR_TOKENS) and case.module != "_experts":
         return Result(case.label, "", note="skipped: no token-grouped GEMMs in this model"), None
+    options, graphs = cuda_graphs(options)
     with contextlib.ExitStack() as stack:
-        if options.pop(CUDAGRAPHS, False):
-            stack.enter_context(torch._inductor.config.patch({"triton.cudagraphs": True}))
+        stack.enter_context(graphs)
         if options.pop(INDUCTOR_TOKENS, False):
             stack.enter_context(mock.patch.object(graphpass.fp8.ops, "uses_triton_group_kernel",
                                                   lambda *args: False))
@@ -291,13 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases(args.dry_run, args.cases):
         for micro in args.micro_batches:
             baseline = None
-            graphs = any(CUDAGRAPHS in o and picked(lab, args.configs) for lab, o in CONFIGS
-                         if lab != "bf16, CUDA graphs")
             for label, options in CONFIGS:
-                if label == "bf16, CUDA graphs":
-                    if not graphs:  # the baseline of the CUDA-graph rows, run with them
-                        continue
-                elif label != "bf16" and not picked(label, args.configs):
+                if label != "bf16" and not picked(label, args.configs):
                     continue
                 if micro > 1 and label != "bf16" and label != ROWWISE:
                     continue  # accumulation: bf16 against rowwise with the weight cache

@@ -8,8 +8,9 @@ Sections: the ``pytest -m gpu`` results; the step time of the real-size Llama-3-
 FP8 tensorwise with scaled_mm as by default (every quantize fused, fast forward accumulation),
 with opaque quantizes, with precise accumulation everywhere, blockwise, torchao float8 +
 compile, bf16 and the FP8 default again under Inductor's CUDA graphs, all in the same run), each
-with its measured activation memory next to ``graphpass.plan``'s prediction and its step peak; the 4-layer Llama at seq 8192 without offload,
-offloading every eligible tensor, and offloading only what hides under compute
+with its measured activation memory next to ``graphpass.plan``'s prediction and its step peak;
+the 4-layer Llama at seq 8192 without offload, offloading every eligible tensor, and offloading
+only what hides under compute
 (``offload_hidden_only``; the targets judge that one); PASS/FAIL lines for the targets
 (``TARGETS`` below). ``--sections model`` (not run by default: it needs a lease of its own) adds
 8 Llama layers trained with AdamW, bf16 against graphpass FP8 and torchao, with tokens/s and the
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
 from graphpass.report import format_bytes  # noqa: E402
-from _harness import Result, picked, reason  # noqa: E402
+from _harness import CUDAGRAPHS, Result, cuda_graphs, picked, reason  # noqa: E402
 from step_time import run_config  # noqa: E402
 
 SECTIONS = ("## Machine", "## pytest -m gpu", "## Step time and activation memory",
@@ -121,9 +122,9 @@ def step_configs(mode: Mode) -> list[tuple[str, dict[str, object] | None]]:
          {"fp8": "blockwise", "kernels": "reference" if mode.dry_run else "auto"}),
         (f"torchao float8 + torch.compile ({inductor})", {"torchao": True}),
         # launch gaps: Inductor's CUDA graphs (cudagraph trees) for the baseline and the default
-        (f"bf16, torch.compile default ({inductor}), CUDA graphs", {"cudagraphs": True}),
+        (f"bf16, torch.compile default ({inductor}), CUDA graphs", {CUDAGRAPHS: True}),
         (f"graphpass FP8 tensorwise/{k}, CUDA graphs",
-         {"fp8": "tensorwise", "kernels": k, "cudagraphs": True}),
+         {"fp8": "tensorwise", "kernels": k, CUDAGRAPHS: True}),
     ]
 
 
@@ -141,8 +142,8 @@ def planned(model_name: str, options: dict[str, object] | None, mode: Mode,
     build = importlib.import_module(f"examples.{model_name}").build
     model, inputs = build(mode.size, layers=layers, dtype=torch.bfloat16,
                           device="meta" if mode.size == "real" else "cpu")
-    options = {k: v for k, v in options.items() if k != "cudagraphs"} if options else None
-    if not options:  # torch's own partitioner, which graphpass's memory="default" runs
+    options, _ = cuda_graphs(options)
+    if options is None:  # torch's own partitioner, which graphpass's memory="default" runs
         cfg = graphpass.Config(memory="default")
     elif options.get("torchao"):
         try:

@@ -13,7 +13,8 @@ tensorwise (the default options, scaled_mm), torchao float8 training under ``tor
 (where torchao imports). Per config:
 
 * median step milliseconds after the warm-up (the first steps compile and allocate AdamW's
-  state), the GPU synchronized around each step, and tokens/s (sequence x batch / step);
+  state), timed as every benchmark here times a step (``_harness.step_ms``: the accelerator
+  synchronized around each), and tokens/s (sequence x batch / step);
 * the step peak above weights, gradients and optimizer state: ``torch.cuda.max_memory_allocated``
   during one step, less what is allocated before it (weights, AdamW's two moments, the input and
   the seed gradient: gradients are None then), less the gradients that exist after it. What is
@@ -30,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
 from graphpass.report import format_bytes  # noqa: E402
-from _harness import reason  # noqa: E402
+from _harness import reason, step_ms, storage_bytes  # noqa: E402
 
 # graphpass FP8 against bf16 and torchao: peak ratios at most, tokens/s ratio at least
 TARGETS = {"peak_vs_bf16": 0.8, "peak_vs_torchao": 1.0, "speed_vs_bf16": 1.25}
@@ -78,10 +77,6 @@ def _backend(options: dict[str, Any] | None, model: torch.nn.Module, codegen: st
     return graphpass.backend(codegen=codegen, **options)
 
 
-def _bytes_of(tensors: list[torch.Tensor]) -> int:
-    return sum(t.untyped_storage().nbytes() for t in tensors)
-
-
 def measure(label: str, options: dict[str, Any] | None, *, layers: int, size: str,
             device: torch.device, steps: int, warmup: int) -> ModelRun:
     """One config: a fresh ``layers``-layer model, AdamW, ``warmup`` + ``steps`` steps."""
@@ -111,28 +106,20 @@ def measure(label: str, options: dict[str, Any] | None, *, layers: int, size: st
         del out
         optimizer.step()
 
-    sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     try:
         for _ in range(warmup):
             step()
-        times = []
-        for _ in range(steps):
-            sync()
-            start = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - start)
-        run.ms = statistics.median(times) * 1e3
+        run.ms = step_ms(step, steps)
         tokens = x.numel() // x.shape[-1]
         run.tokens_per_s = tokens / (run.ms / 1e3)
         if device.type == "cuda":
             optimizer.zero_grad(set_to_none=True)
-            sync()
+            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)  # weights, AdamW state, x, the seed
             step()
-            sync()
-            grads = _bytes_of([p.grad for p in params if p.grad is not None])
+            torch.cuda.synchronize(device)
+            grads = sum(storage_bytes(p.grad) for p in params if p.grad is not None)
             run.peak_bytes = torch.cuda.max_memory_allocated(device) - before - grads
     except Exception as e:  # an out-of-memory, a kernel a device refuses
         run.note = f"failed: {reason(e)}"

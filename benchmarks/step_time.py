@@ -28,14 +28,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch._inductor.config  # noqa: F401  (triton.cudagraphs, patched per config)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ lives in the repo root
 import graphpass  # noqa: E402
 from graphpass.fp8 import providers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import WARMUP, Result, measure, reason  # noqa: E402
+from _harness import WARMUP, Result, cuda_graphs, measure, reason  # noqa: E402
 from memory import CACHE_LEVELS  # noqa: E402
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
@@ -47,14 +46,11 @@ def run_config(model_name: str, label: str, options: dict[str, object] | None, s
                warmup: int = WARMUP) -> Result:
     """One config's step: ``options`` are graphpass's, or None for torch.compile's default
     (Inductor with torch's own partitioner, no graphpass), or ``{"torchao": True}`` for torchao
-    float8 training under torch.compile's default; ``"cudagraphs": True`` among them (or alone,
+    float8 training under torch.compile's default; ``CUDAGRAPHS: True`` among them (or alone,
     for torch.compile's default) compiles and runs under Inductor's CUDA graphs
     (``triton.cudagraphs``; nothing under aot_eager)."""
     result = Result(model_name, label)
-    options = dict(options) if options is not None else None
-    cudagraphs = bool(options and options.pop("cudagraphs", False))
-    if options == {}:  # CUDA graphs alone: torch.compile's default
-        options = None
+    options, graphs = cuda_graphs(options)
     if options is None or options.get("torchao"):
         backend = "inductor" if codegen == "inductor" else "aot_eager"
     else:
@@ -77,7 +73,7 @@ def run_config(model_name: str, label: str, options: dict[str, object] | None, s
             return result
         convert_to_float8_training(model)
     compiled = torch.compile(model, backend=backend)
-    with torch._inductor.config.patch({"triton.cudagraphs": cudagraphs}):
+    with graphs:
         return measure(result, model, inputs, compiled, device, steps, warmup)
 
 
