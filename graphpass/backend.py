@@ -257,24 +257,17 @@ def _positional_arguments(models: list[torch.nn.Module]
         return None
     model = models[0]
     try:
-        parameters = list(inspect.signature(model.forward).parameters.values())
+        parameters = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):  # a forward without a signature to read
         return None
     if any(p.name == varargs for p in parameters):
         return None  # the model's own forward, taking *args: its name is the argument's
+    fixed = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = next((p.name for p in parameters if p.kind is p.VAR_POSITIONAL), None)
     offset = 1 if items and items[0] is model else 0
-    names: list[str | None] = [None] * offset
-    positional = [p for p in parameters if p.kind in (
-        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-    for i in range(len(items) - offset):
-        if i < len(positional) and positional[i].kind is not positional[i].VAR_POSITIONAL:
-            names.append(positional[i].name)
-        elif positional and positional[-1].kind is positional[-1].VAR_POSITIONAL \
-                and i >= len(positional) - 1:
-            names.append(f"{positional[-1].name}[{i - len(positional) + 1}]")
-        else:
-            names.append(None)
-    return varargs, tuple(names)
+    names = [fixed[i] if i < len(fixed) else f"{rest}[{i - len(fixed)}]" if rest else None
+             for i in range(len(items) - offset)]
+    return varargs, (None,) * offset + tuple(names)
 
 
 def _index(key: str) -> Any:
