@@ -259,7 +259,8 @@ class FP8(_Group):
     in the step peak. ``True``: every weight that is a parameter; ``"auto"``: the weights the
     memory planner chooses where the predicted peak stays within ``memory_budget``, the most
     quantize work per cached byte first (without a budget, none, with a note). A memory
-    decision: gradients are bit-identical either way (docs/memory/weight-cache.md#fp8_weight_cache)."""
+    decision: gradients are bit-identical either way
+    (docs/memory/weight-cache.md#fp8_weight_cache)."""
 
     def __post_init__(self) -> None:
         if self.recipe == "delayed":
@@ -378,7 +379,8 @@ class Offload(_Group):
     hidden_only: bool = False
     """With ``offload``: offload only the saved tensors whose copies an H100's roofline hides
     under compute on torch's separate stream, largest and longest-lived first; the others stay
-    on the device, ``offload: no (copy not hidden: ...)`` (docs/memory/offload.md#offload_hidden_only)."""
+    on the device, ``offload: no (copy not hidden: ...)``
+    (docs/memory/offload.md#offload_hidden_only)."""
 
     exclude: tuple[str, ...] = ()
     """Module-path or op patterns (``"layers.0.*"``, ``"aten.mm"``) never offloaded (opt-out)."""
@@ -457,7 +459,8 @@ class MemoryPlan(_Group):
                 and not isinstance(self.recompute_budget, bool)
                 and 0 <= self.recompute_budget < float("inf")):
             raise ValueError(f"invalid graphpass option recompute_budget="
-                             f"{self.recompute_budget!r}; expected a fraction of step FLOPs such as 0.01, or None for no limit")
+                             f"{self.recompute_budget!r}; expected a fraction of step FLOPs such "
+                             "as 0.01, or None for no limit")
         budget = self.budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or (isinstance(budget, int) and budget <= 0)
@@ -551,8 +554,8 @@ class Config:
     code runs as one kernel (a layer's norm weight gradients) moves beside the last buffer they
     read, so the weight-gradient quantizes and GEMMs between them run beside their data
     gradients instead of waiting for the group (a report note says what moved;
-    docs/memory/order-backward.md#order_backward). Nodes move, no op changes: gradients are bit-identical
-    either way. Off by default: on CUDA, Inductor's scheduler already runs those GEMMs beside
+    docs/memory/order-backward.md#order_backward). Nodes move, no op changes: gradients are
+    bit-identical either way. Off by default: on CUDA, Inductor's scheduler already runs those GEMMs beside
     their data gradients (the Llama-3-8B FP8 layer's step peak measured 1.34 GiB on an H200
     with and without it), and on the CPU the move measured +4.3% step time on the FP8 tiny
     Llama."""
