@@ -41,9 +41,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import graphpass  # noqa: E402
 from graphpass.report import format_bytes  # noqa: E402
 from _harness import reason, step_ms, storage_bytes  # noqa: E402
+from step_time import backend_for  # noqa: E402
 
 # graphpass FP8 against bf16 and torchao: peak ratios at most, tokens/s ratio at least
 TARGETS = {"peak_vs_bf16": 0.8, "peak_vs_torchao": 1.0, "speed_vs_bf16": 1.25}
@@ -67,16 +67,6 @@ def configs(dry_run: bool) -> list[tuple[str, dict[str, Any] | None]]:
             (TORCHAO, {"torchao": True})]
 
 
-def _backend(options: dict[str, Any] | None, model: torch.nn.Module, codegen: str) -> Any:
-    if options is None or options.get("torchao"):
-        if options:
-            from torchao.float8 import convert_to_float8_training
-
-            convert_to_float8_training(model)
-        return "inductor" if codegen == "inductor" else "aot_eager"
-    return graphpass.backend(codegen=codegen, **options)
-
-
 def measure(label: str, options: dict[str, Any] | None, *, layers: int, size: str,
             device: torch.device, steps: int, warmup: int) -> ModelRun:
     """One config: a fresh ``layers``-layer model, AdamW, ``warmup`` + ``steps`` steps."""
@@ -87,7 +77,7 @@ def measure(label: str, options: dict[str, Any] | None, *, layers: int, size: st
     model, (x,) = importlib.import_module("examples.llama").build(
         size, layers=layers, device=device, dtype=dtype)
     try:
-        backend = _backend(options, model, codegen)
+        backend = backend_for(options, model, codegen)
     except (ImportError, ValueError) as e:
         run.note = f"skipped: {reason(e)}"
         return run

@@ -26,6 +26,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +42,20 @@ RECIPES = ("tensorwise", "blockwise", "mxfp8")
 KERNELS = ("reference", "scaled_mm", "te")
 
 
+def backend_for(options: dict[str, object] | None, model: torch.nn.Module, codegen: str) -> Any:
+    """The ``torch.compile`` backend of a config: torch.compile's default (Inductor, or aot_eager
+    where ``codegen`` is eager) for None and for ``{"torchao": True}``, which first converts
+    ``model``'s linears to torchao's float8 training (ImportError without torchao), else
+    ``graphpass.backend`` of the options (ValueError for options Config refuses)."""
+    if options is None or options.get("torchao"):
+        if options:
+            from torchao.float8 import convert_to_float8_training
+
+            convert_to_float8_training(model)
+        return "inductor" if codegen == "inductor" else "aot_eager"
+    return graphpass.backend(codegen=codegen, **options)
+
+
 def run_config(model_name: str, label: str, options: dict[str, object] | None, size: str,
                codegen: str, device: torch.device, steps: int, *, layers: int = 1,
                warmup: int = WARMUP) -> Result:
@@ -51,27 +66,19 @@ def run_config(model_name: str, label: str, options: dict[str, object] | None, s
     (``triton.cudagraphs``; nothing under aot_eager)."""
     result = Result(model_name, label)
     options, graphs = cuda_graphs(options)
-    if options is None or options.get("torchao"):
-        backend = "inductor" if codegen == "inductor" else "aot_eager"
-    else:
-        try:
-            backend = graphpass.backend(codegen=codegen, **options)
-        except ValueError as e:  # Config validation refuses e.g. scaled_mm with blockwise
-            result.note = f"skipped: {reason(e)}"
-            return result
-
     # A fresh model per config: the peak then counts this config's weights, grads and step only.
     torch._dynamo.reset()
     build = importlib.import_module(
         "_experts" if model_name == "experts" else f"examples.{model_name}").build
     model, inputs = build(size, layers=layers, device=device, dtype=torch.bfloat16)
-    if options and options.get("torchao"):
-        try:
-            from torchao.float8 import convert_to_float8_training
-        except ImportError as e:
-            result.note = f"skipped: torchao not importable ({e})"
-            return result
-        convert_to_float8_training(model)
+    try:
+        backend = backend_for(options, model, codegen)
+    except ImportError as e:
+        result.note = f"skipped: torchao not importable ({e})"
+        return result
+    except ValueError as e:  # Config validation refuses e.g. scaled_mm with blockwise
+        result.note = f"skipped: {reason(e)}"
+        return result
     compiled = torch.compile(model, backend=backend)
     with graphs:
         return measure(result, model, inputs, compiled, device, steps, warmup)
