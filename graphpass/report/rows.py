@@ -139,8 +139,9 @@ class Report(SavedTotals):
                 for r in rep.rows
             ]
             # The config's own notes (``unused:``) are about every graph alike: said once.
-            said = [d for d in rep.decisions if d.what is What.UNUSED and d in merged.decisions]
-            merged.notes += [n for n in rep.notes if n not in {str(d) for d in said}]
+            said = {d for d in rep.decisions if d.what is What.UNUSED and d in merged.decisions}
+            said_text = {str(d) for d in said}
+            merged.notes += [n for n in rep.notes if n not in said_text]
             merged.decisions += [d for d in rep.decisions if d not in said]
             merged.graphs += rep.graphs
             for key in ("step_flops", "recompute_flops"):
