@@ -22,9 +22,9 @@ after the forward are what it measures as "measured activations".
 What it leaves out: kernels' own workspaces (cuBLAS, cuDNN) and the caching allocator's
 rounding (blocks of 512 B, 2 MiB segments); the attention op is the one the CPU trace picks
 (``_scaled_dot_product_flash_attention_for_cpu``), whose saved outputs have the CUDA kernels'
-shapes (the output and a float32 logsumexp). Measured on an H200 (torch 2.11, the Llama-3-8B
-layer at seq 8192, graphpass FP8 tensorwise): 1.34 GiB with and without ``order_backward``;
-this script gives 1,393 and 1,377 MiB (docs/numbers.md).
+shapes (the output and a float32 logsumexp). Against an H200's measured step peaks (torch 2.11,
+docs/numbers.md): the GPT-3 layer in bf16 exact (239.93 MiB); the Llama-3-8B layer in bf16
+224 MiB over (one (8192, 14336) bf16 tensor), in FP8 tensorwise about 123 MiB under.
 """
 
 from __future__ import annotations
@@ -209,7 +209,9 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
                    live: int = 0, partitioner: str = "graphpass") -> dict[str, Any]:
     """The step's peak as Inductor's CUDA code allocates it: ``total`` (everything), ``above``
     (less weights, inputs and gradients), ``where`` (the wrapper line of the peak) and, with
-    ``live``, the largest tensors the wrapper holds there."""
+    ``live``, the largest tensors the wrapper holds there; ``left``: what is held after the
+    backward beyond inputs and gradients, which is the ``outputs`` alone when the backward freed
+    every saved tensor."""
     why = available()
     if why is not None:
         raise SystemExit(f"cuda_peak.py: {why}")
@@ -262,15 +264,24 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
                 # the outputs live on through the backward (``out.backward(grad)``), as in the GPU
                 # measurement; the output gradients were allocated before it (not tracked)
                 user = outs[:len(outs) - saved_count]
-                del outs
-                grads = backward(list(saved) + bw_in[saved_count:])
-                del saved, user
+                # the backward frees each saved tensor after its last use (it clears the list it
+                # is given), so nothing here may hold them: only the list handed to it
+                bw_args = list(saved) + bw_in[saved_count:]
+                del outs, saved
+                grads = backward(bw_args)
+                # what the step leaves beyond inputs and gradients: the outputs alone
+                left = (sum(d.get("Total", 0)
+                            for d in tracker.get_tracker_snapshot("current").values())
+                        - _storage_bytes(list(fw_in) + list(grads)))
+                outputs = _storage_bytes(user)
+                del user
                 allocations.tracker = None
             total = sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
     held, where, largest = allocations.peak
     base = _storage_bytes(fw_in) + _storage_bytes(grads)
     return {"total": total, "above": total - base, "base": base, "where": where,
-            "largest": largest, "activations": activations}
+            "largest": largest, "activations": activations,
+            "inputs": _storage_bytes(fw_in), "left": left, "outputs": outputs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,8 +5,11 @@
 
 One real-size layer, bf16 weights, a few steps after warm-up under ``torch.profiler``; prints the
 kernels by total CUDA time (self time, summed over the profiled steps, divided by the step count),
-the time spent in GEMM kernels (attention apart) and in everything else, and the ATen ops that
-launched kernels outside Inductor's code, with their input shapes.
+the time spent in GEMM kernels (attention apart) and in everything else, the ATen ops that
+launched kernels outside Inductor's code, with their input shapes, and what holds the step's
+memory peak: one more step under the caching allocator's history, the blocks live at its peak
+summed by the line that allocated them (``benchmarks/_memory_history.py``; ``--code-dir`` keeps
+the generated wrappers those lines are in, to set beside ``benchmarks/cuda_peak.py --live``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # experts: benchmarks/_experts.py
 import graphpass  # noqa: E402
+import _memory_history  # noqa: E402
 from _harness import is_gemm  # noqa: E402
 
 
@@ -35,6 +39,8 @@ def main() -> None:
                         help="torch.compile's default (Inductor, torch's partitioner), no graphpass")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--code-dir", type=Path, default=None,
+                        help="copy the generated code the peak's blocks were allocated in here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
@@ -54,6 +60,12 @@ def main() -> None:
     compiled = torch.compile(model, backend=backend)
 
     def step() -> None:
+        # as the timed step (benchmarks/_harness.py): gradients set to None first, or each
+        # backward would add into the last step's gradients, one eager ``add`` per parameter
+        # and input that takes a gradient (11 on the Llama layer) no timed step runs
+        model.zero_grad(set_to_none=True)
+        for x in inputs:
+            x.grad = None
         out = compiled(*inputs)
         out.backward(torch.ones_like(out))
 
@@ -85,6 +97,7 @@ def main() -> None:
         print(f"{e.self_device_time_total / args.steps / 1e3:8.3f} {e.count / args.steps:10.1f}  "
               f"{e.key[:110]}")
     eager_ops(step, args.steps, args.top)
+    peak_memory(step, args.top, args.code_dir)
 
 
 def eager_ops(step, steps: int, top: int) -> None:
@@ -108,6 +121,17 @@ def eager_ops(step, steps: int, top: int) -> None:
     for e in ops[:top]:
         print(f"{e.self_device_time_total / steps / 1e3:8.3f} {e.count / steps:10.1f}  "
               f"{e.key}  {str(e.input_shapes)[:120]}")
+
+
+def peak_memory(step, top: int, code_dir: Path | None) -> None:
+    """The blocks live at the step's memory peak, by the line that allocated them."""
+    torch.cuda.empty_cache()
+    peak, blocks = _memory_history.peak_blocks(_memory_history.record(step))
+    print("\nMemory peak of one step (the caching allocator's history):")
+    print("\n".join(_memory_history.report(peak, blocks, top)))
+    if code_dir is not None:
+        for path in _memory_history.copy_generated(blocks, code_dir):
+            print(f"generated code kept: {path}")
 
 
 if __name__ == "__main__":

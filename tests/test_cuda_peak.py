@@ -3,8 +3,8 @@ run on fake tensors without a GPU (a CUDA build of torch; the CPU wheel skips).
 
 The saved activations after the forward are a count graphpass.plan makes exactly and the GPU
 measured equal to it (docs/numbers.md): the CUDA wrapper's allocations must give the same bytes,
-for FP8 and for bf16 under torch's own partitioner. The step peak must hold at least those
-activations and what the backward adds."""
+for FP8 and for bf16 under torch's own partitioner. The step peak must hold at least the inputs
+and those activations, and the backward must free every saved tensor."""
 
 import sys
 from pathlib import Path
@@ -50,5 +50,9 @@ def test_cuda_code_saves_what_the_plan_counts(options):
         # against 427,776 B; not stride padding, which this test turned off to check; not yet
         # attributed). At real size the GPU measured the plan's bytes.
         assert planned <= got["activations"] <= planned * 1.01
-    assert got["above"] >= got["activations"] > 0
+    # after the forward, the inputs and the activations are all live
+    assert got["total"] >= got["inputs"] + got["activations"] > got["inputs"]
     assert got["total"] == got["base"] + got["above"]
+    # the backward freed every saved tensor (nothing of this tool's may hold one through it, or
+    # the peak counts them all to the end): the step leaves its outputs alone
+    assert got["left"] == got["outputs"] > 0
