@@ -243,7 +243,7 @@ def _input(x: torch.Tensor) -> torch.Tensor:
     input is written or held: on the Llama-3-8B layer (seq 8192, torch 2.11,
     ``benchmarks/cuda_peak.py``) the backward then holds no (8192, 14336) bf16 SwiGLU output or
     gradient beside their FP8 copies, and Inductor's byte count of the step's kernels falls
-    (tensorwise 20.7 -> 18.1 GB, rowwise 20.7 -> 19.1, blockwise 22.2 -> 21.1) with the step
+    (tensorwise 11.2 -> 9.4 GB, rowwise 11.6 -> 9.9, blockwise 12.2 -> 10.9) with the step
     peak (tensorwise 1,249 -> 1,201 MiB above weights, inputs and gradients; rowwise 1,441 ->
     1,169; blockwise 1,250 -> 1,204). The bits are the stored input's: ``emulate_precision_casts``
     rounds the producer's bf16 values in registers as eager rounds them in memory."""
