@@ -99,5 +99,6 @@ def test_kernel_bytes_counts_the_step_launches_only():
         "        triton_poi_a.run(buf4, buf5, 16, stream=stream0)",
         "def get_args():", "    triton_poi_a.run(*args)", "    triton_red_b.run(*args)",
     ])
-    assert sorted(tool.kernel_bytes(source)) == [("triton_poi_a", 0.5, 2), ("triton_red_b", 0.25, 1)]
+    assert sorted(tool.kernel_bytes(source)) == [("triton_poi_a", 0.5, 2),
+                                                 ("triton_red_b", 0.25, 1)]
     assert tool.extern_calls(source) == {"extern_kernels.mm": 1, "torch.ops.graphpass.fp8_gemm": 1}
