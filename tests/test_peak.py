@@ -484,3 +484,39 @@ def test_backward_order_lowers_the_peak_inductors_code_reaches():
         "layers.0.self_attn.v_proj, layers.0.self_attn.k_proj, layers.0.self_attn.q_proj) run in "
         "the graph's order"], ordered_notes
     assert all(torch.equal(a, b) for a, b in zip(torch_grads, ordered_grads))
+
+
+@pytest.mark.parametrize("device, stored", [("cuda", False), ("cpu", True)])
+def test_an_inlined_quantize_on_a_gpu_computes_its_input_in_its_loops(device, stored):
+    """Inductor's code for a quantize graphpass inlines (``fp8/inductor.py``): on a GPU its amax
+    and cast loops compute an elementwise input (here ``a * b``) in place, so the step-peak model
+    holds no buffer of it; on the CPU the input is stored, a buffer the quantize reads. Fake
+    tensors on ``cuda`` need no GPU."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from graphpass.fp8 import ops
+    from graphpass.graph.inductor_kernels import inductor_buffers, inductor_kind
+
+    mode = FakeTensorMode()
+
+    def fake(shape, dtype=torch.bfloat16):
+        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"),
+                          torch.device(device))
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    product = g.call_function(torch.ops.aten.mul.Tensor, (a, b))
+    quantize = g.call_function(ops.QUANTIZE, (product, "tensorwise", "input", "rowwise"))
+    data = g.call_function(operator.getitem, (quantize, 0))
+    g.output((data,))
+    for node in (a, b, product):
+        node.meta["val"] = fake((64, 32))
+    quantize.meta["val"] = [fake((64, 32), torch.float8_e4m3fn), fake((), torch.float32)]
+    data.meta["val"] = quantize.meta["val"][0]
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert inductor_kind(quantize) == ("extern" if stored else "kernel")
+    assert (product in inductor_buffers(gm)) is stored
+    assert {a, b, quantize, data} <= inductor_buffers(gm)

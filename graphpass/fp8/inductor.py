@@ -110,6 +110,19 @@ def _patterns() -> Any:
     return patterns
 
 
+def computes_input_in_loops(node: fx.Node) -> bool:
+    """Whether Inductor's code runs ``node`` (a ``graphpass::quantize``) as loops that compute
+    its input's elementwise producer in place, so that the input is never a buffer: an inlined
+    quantize on a GPU (``_input``). On the CPU its input is stored; an op left whole (grouped,
+    Triton, mxfp8) reads its input from memory."""
+    if node.target is not ops.QUANTIZE or len(node.args) != 4 or not inlinable(node.args[1]):
+        return False
+    x = node.args[0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return (isinstance(val, torch.Tensor) and val.device.type != "cpu"
+            and not triton_weight_quantize(node))
+
+
 def triton_weight_quantize(node: fx.Node) -> bool:
     """Whether ``node`` (a ``graphpass::quantize``) is a rowwise quantize of 3-D expert weights
     that graphpass's Triton kernels run (``ops.uses_triton_weight_kernel``): left as the op, not

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..fp8.inductor import computes_input_in_loops
 from .ops import VIEWS
 
 
@@ -334,7 +335,11 @@ def inductor_kind(node: fx.Node) -> str:
     """How Inductor runs a call: ``view`` (an alias: views and a multi-output op's elements),
     ``elementwise`` (fused into its readers), ``kernel`` (its own loop nest, such as a
     reduction: its result is a buffer, its inputs fuse into it) or ``extern`` (a library or
-    fallback kernel: its inputs and result are buffers)."""
+    fallback kernel: its inputs and result are buffers). A quantize graphpass inlines on a GPU
+    is a kernel (``fp8.inductor.computes_input_in_loops``); elsewhere an extern call, its input
+    stored."""
+    if computes_input_in_loops(node):
+        return "kernel"
     return _target_kind(node.target)
 
 
