@@ -520,3 +520,46 @@ def test_an_inlined_quantize_on_a_gpu_computes_its_input_in_its_loops(device, st
     assert inductor_kind(quantize) == ("extern" if stored else "kernel")
     assert (product in inductor_buffers(gm)) is stored
     assert {a, b, quantize, data} <= inductor_buffers(gm)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_inductors_reorder_for_peak_memory_runs_on_a_gpu_only(device):
+    """Two GEMMs each summed: run in the graph's order, both GEMMs' results are live while the
+    first sum runs (3 weights/inputs + 2 GEMMs + a sum: 3 * 16,384 + 2 * 16,384 + 256 =
+    82,176 B); Inductor's ``reorder_for_peak_memory`` (least peak memory first) runs each sum
+    after its GEMM, and the peak is one GEMM and both sums (3 * 16,384 + 16,384 + 2 * 256 =
+    66,048 B, the second sum). The model reorders on a GPU only. Fake tensors on ``cuda`` need
+    no GPU."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from graphpass.graph.peak import step_peak
+
+    mode = FakeTensorMode()
+
+    def fake(*shape):
+        return FakeTensor(mode, torch.empty(shape, device="meta"), torch.device(device))
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, w1, w2 = (g.placeholder(f"primals_{i}") for i in (1, 2, 3))
+    a = g.call_function(aten.mm.default, (x, w1))
+    b = g.call_function(aten.mm.default, (x, w2))
+    ra = g.call_function(aten.sum.dim_IntList, (a, [1]))
+    rb = g.call_function(aten.sum.dim_IntList, (b, [1]))
+    out = g.call_function(aten.add.Tensor, (ra, rb))
+    g.output((out,))
+    for node in (x, w1, w2, a, b):
+        node.meta["val"] = fake(64, 64)
+    for node in (ra, rb, out):
+        node.meta["val"] = fake(64)
+    fw = fx.GraphModule(torch.nn.Module(), g)
+    g = fx.Graph()
+    tangent = g.placeholder("tangents_1")
+    tangent.meta["val"] = fake(64)
+    g.output((tangent,))
+    bw = fx.GraphModule(torch.nn.Module(), g)
+    peak = step_peak(fw, bw, num_fwd_outputs=1, parameter_names={"primals_2", "primals_3"})
+    assert peak.device == device
+    assert peak.bytes == (66_048 if device == "cuda" else 82_176)
+    assert peak.node == (rb if device == "cuda" else ra).name
