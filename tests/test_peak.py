@@ -563,3 +563,49 @@ def test_inductors_reorder_for_peak_memory_runs_on_a_gpu_only(device):
     assert peak.device == device
     assert peak.bytes == (66_048 if device == "cuda" else 82_176)
     assert peak.node == (rb if device == "cuda" else ra).name
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_reorder_takes_quantizes_of_one_input_inlined_on_a_gpu_as_one_node(device):
+    """Two quantizes of the same elementwise input, inlined on a GPU, are one node of the
+    reorder's graph (Inductor's horizontal fusion runs their amaxes and casts together); on the
+    CPU each is a kernel of its own."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from graphpass.fp8 import ops
+    from graphpass.graph.inductor_kernels import inductor_kernels
+    from graphpass.graph.inductor_reorder import _fused_quantizes
+
+    mode = FakeTensorMode()
+
+    def fake(shape, dtype=torch.bfloat16):
+        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"),
+                          torch.device(device))
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    product = g.call_function(torch.ops.aten.mul.Tensor, (a, b))
+    product.meta["val"] = fake((64, 32))
+    a.meta["val"], b.meta["val"] = fake((64, 32)), fake((64, 32))
+    outs, qs = [], []
+    for axis in ("input", "weight"):
+        q = g.call_function(ops.QUANTIZE, (product, "tensorwise", axis, "rowwise"))
+        q.meta["val"] = [fake((64, 32), torch.float8_e4m3fn), fake((), torch.float32)]
+        data = g.call_function(operator.getitem, (q, 0))
+        data.meta["val"] = q.meta["val"][0]
+        outs.append(data)
+        qs.append([q.name])
+    g.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    kernels, reads = inductor_kernels(gm)
+    sids = lambda n: [id(n.meta["val"])] if n.op == "placeholder" else []  # noqa: E731
+    groups = _fused_quantizes(kernels, reads, sids)
+    names = [[[n.name for n in kernels[k]] for k in group] for group in groups]
+    if device == "cuda":
+        assert names == [qs]
+    else:
+        assert [k for group in names for k in group][-2:] == qs
+        assert all(len(group) == 1 for group in names)
