@@ -520,3 +520,92 @@ def test_an_inlined_quantize_on_a_gpu_computes_its_input_in_its_loops(device, st
     assert inductor_kind(quantize) == ("extern" if stored else "kernel")
     assert (product in inductor_buffers(gm)) is stored
     assert {a, b, quantize, data} <= inductor_buffers(gm)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_inductors_reorder_for_peak_memory_runs_on_a_gpu_only(device):
+    """Two GEMMs each summed: run in the graph's order, both GEMMs' results are live while the
+    first sum runs (3 weights/inputs + 2 GEMMs + a sum: 3 * 16,384 + 2 * 16,384 + 256 =
+    82,176 B); Inductor's ``reorder_for_peak_memory`` (least peak memory first) runs each sum
+    after its GEMM, and the peak is one GEMM and both sums (3 * 16,384 + 16,384 + 2 * 256 =
+    66,048 B, the second sum). The model reorders on a GPU only. Fake tensors on ``cuda`` need
+    no GPU."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from graphpass.graph.peak import step_peak
+
+    mode = FakeTensorMode()
+
+    def fake(*shape):
+        return FakeTensor(mode, torch.empty(shape, device="meta"), torch.device(device))
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, w1, w2 = (g.placeholder(f"primals_{i}") for i in (1, 2, 3))
+    a = g.call_function(aten.mm.default, (x, w1))
+    b = g.call_function(aten.mm.default, (x, w2))
+    ra = g.call_function(aten.sum.dim_IntList, (a, [1]))
+    rb = g.call_function(aten.sum.dim_IntList, (b, [1]))
+    out = g.call_function(aten.add.Tensor, (ra, rb))
+    g.output((out,))
+    for node in (x, w1, w2, a, b):
+        node.meta["val"] = fake(64, 64)
+    for node in (ra, rb, out):
+        node.meta["val"] = fake(64)
+    fw = fx.GraphModule(torch.nn.Module(), g)
+    g = fx.Graph()
+    tangent = g.placeholder("tangents_1")
+    tangent.meta["val"] = fake(64)
+    g.output((tangent,))
+    bw = fx.GraphModule(torch.nn.Module(), g)
+    peak = step_peak(fw, bw, num_fwd_outputs=1, parameter_names={"primals_2", "primals_3"})
+    assert peak.device == device
+    assert peak.bytes == (66_048 if device == "cuda" else 82_176)
+    assert peak.node == (rb if device == "cuda" else ra).name
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_reorder_takes_quantizes_of_one_input_inlined_on_a_gpu_as_one_node(device):
+    """Two quantizes of the same elementwise input, inlined on a GPU, are one node of the
+    reorder's graph (Inductor's horizontal fusion runs their amaxes and casts together); on the
+    CPU each is a kernel of its own."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from graphpass.fp8 import ops
+    from graphpass.graph.inductor_kernels import inductor_kernels
+    from graphpass.graph.inductor_reorder import _fused_quantizes
+
+    mode = FakeTensorMode()
+
+    def fake(shape, dtype=torch.bfloat16):
+        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"),
+                          torch.device(device))
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    product = g.call_function(torch.ops.aten.mul.Tensor, (a, b))
+    product.meta["val"] = fake((64, 32))
+    a.meta["val"], b.meta["val"] = fake((64, 32)), fake((64, 32))
+    outs, qs = [], []
+    for axis in ("input", "weight"):
+        q = g.call_function(ops.QUANTIZE, (product, "tensorwise", axis, "rowwise"))
+        q.meta["val"] = [fake((64, 32), torch.float8_e4m3fn), fake((), torch.float32)]
+        data = g.call_function(operator.getitem, (q, 0))
+        data.meta["val"] = q.meta["val"][0]
+        outs.append(data)
+        qs.append([q.name])
+    g.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    kernels, reads = inductor_kernels(gm)
+    sids = lambda n: [id(n.meta["val"])] if n.op == "placeholder" else []  # noqa: E731
+    groups = _fused_quantizes(kernels, reads, sids)
+    names = [[[n.name for n in kernels[k]] for k in group] for group in groups]
+    if device == "cuda":
+        assert names == [qs]
+    else:
+        assert [k for group in names for k in group][-2:] == qs
+        assert all(len(group) == 1 for group in names)

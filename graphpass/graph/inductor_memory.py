@@ -114,7 +114,7 @@ def reuse_plan(gm: fx.GraphModule, kernels: list[list[fx.Node]], reads: Any,
 
     def kept(s: int) -> bool:  # ``is_nonfreeable_buffers``: by the names AOTAutograd gives
         node = storages[s].node
-        return node.op == "placeholder" and node.name.startswith(_NONFREEABLE)
+        return node.op == "placeholder" and node.name.startswith(NONFREEABLE)
 
     # Inductor's estimate: the bytes live while each kernel runs
     estimate: list[int] = []
@@ -191,7 +191,8 @@ def _realized_in_kernels(kernels: list[list[fx.Node]], reads: Any, device: str
     return out
 
 
-_NONFREEABLE = ("primals_", "arg", "fwd_rng_state", "bwd_rng_state", "tangents")
+NONFREEABLE = ("primals_", "arg", "fwd_rng_state", "bwd_rng_state", "tangents")
+"""The names of the graph inputs Inductor never frees (``is_nonfreeable_buffers``)."""
 
 
 def _wrapper_allocates(node: fx.Node, externs: dict[fx.Node, fx.Node]) -> bool:
