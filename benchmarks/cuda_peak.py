@@ -6,6 +6,8 @@
     PYTHONPATH=. python benchmarks/cuda_peak.py --model llama --size real --fp8 bf16 \
         --partitioner torch     # torch's own min-cut, as plain torch.compile partitions
     PYTHONPATH=. python benchmarks/cuda_peak.py --model llama --size real --kernel-bytes 20
+    PYTHONPATH=. python benchmarks/cuda_peak.py --model deepseek --size real --fp8 bf16 \
+        --model-peak            # graphpass's own prediction on the same graphs, on cuda
 
 Needs a CUDA build of torch (the PyPI wheels of torch 2.11 and 2.15 are; the CPU wheel of 2.13 is
 not) and triton; no GPU, driver or CUDA runtime is touched. graphpass.plan partitions the
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 import re
 import sys
@@ -182,6 +185,7 @@ def partitioned(model_name: str, size: str, layers: int, options: dict[str, Any]
     def capturing(*args: Any, **kwargs: Any):
         out = (real if partitioner == "graphpass" else torch_min_cut)(*args, **kwargs)
         graphs.append(out)
+        out[0].meta["num_fwd_outputs"] = kwargs["num_fwd_outputs"]
         return out
 
     example = importlib.import_module(f"examples.{model_name}")
@@ -239,6 +243,30 @@ def extern_calls(source: str) -> dict[str, int]:
     return calls
 
 
+def model_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> Any:
+    """graphpass's step-peak model (``graph/peak.step_peak``) on ``fw`` and ``bw`` with their
+    tensors on ``cuda``: fake tensors propagated afresh under the sm_90 patches, as the graphs a
+    GPU compiles (a quantize then computes its input in its own loops; the kernels run in the
+    order of Inductor's ``reorder_for_peak_memory``). What the backend reports on a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from graphpass.graph.peak import step_peak
+
+    num_fwd_outputs = fw.meta["num_fwd_outputs"]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with contextlib.ExitStack() as stack:
+        for patch in _sm90_patches(_Allocations()):
+            stack.enter_context(patch)
+        for gm in (fw, bw):
+            vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+            with mode:
+                inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+                          if isinstance(v, torch.Tensor) else v for v in vals]
+            FakeTensorProp(_on_cuda(gm), mode).propagate(*inputs)
+        return step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs, parameter_names=set())
+
+
 def _storage_bytes(tensors) -> int:
     seen: set[int] = set()
     total = 0
@@ -250,7 +278,8 @@ def _storage_bytes(tensors) -> int:
 
 
 def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: int = 1,
-                   live: int = 0, partitioner: str = "graphpass") -> dict[str, Any]:
+                   live: int = 0, partitioner: str = "graphpass",
+                   predict: bool = False) -> dict[str, Any]:
     """The step's peak as Inductor's CUDA code allocates it: ``total`` (everything), ``above``
     (less weights, inputs and gradients), ``where`` (the wrapper line of the peak) and, with
     ``live``, the largest tensors the wrapper holds there; ``left``: what is held after the
@@ -264,6 +293,7 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
     from torch.distributed._tools.mem_tracker import MemTracker
 
     fw, bw = partitioned(model_name, size, layers, options, partitioner)
+    predicted = model_peak(copy.deepcopy(fw), copy.deepcopy(bw)) if predict else None
     allocations = _Allocations()
     allocations.live = live
     mode = FakeTensorMode()
@@ -327,7 +357,8 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
     return {"total": total, "above": total - base, "base": base, "where": where,
             "largest": largest, "activations": activations,
             "inputs": _storage_bytes(fw_in), "left": left, "outputs": outputs,
-            "sources": {"forward": forward.source_code, "backward": backward.source_code}}
+            "sources": {"forward": forward.source_code, "backward": backward.source_code},
+            "predicted": predicted}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,11 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--fp8", default="tensorwise", help="a recipe, or bf16")
     p.add_argument("--kernels", default="scaled_mm")
-    p.add_argument("--order-backward", choices=("on", "off"), default="on")
+    p.add_argument("--order-backward", choices=("on", "off"), default="off",
+                   help="graphpass's order_backward option (off by default, as in graphpass)")
     p.add_argument("--memory", default=None,
                    help="graphpass's memory option; 'default' is torch's own partitioner, what "
                         "plain torch.compile saves")
     p.add_argument("--live", type=int, default=0, help="list the N largest tensors at the peak")
+    p.add_argument("--model-peak", action="store_true",
+                   help="also graphpass's step-peak model on the same graphs on cuda (what the "
+                        "backend reports on a GPU)")
     p.add_argument("--kernel-bytes", type=int, default=0, metavar="N",
                    help="the bytes Inductor's kernels move, and the N largest kernels")
     p.add_argument("--partitioner", choices=("graphpass", "torch"), default="graphpass",
@@ -356,12 +391,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp8 != "bf16":
         options.update(fp8=args.fp8, kernels=args.kernels)
     got = cuda_step_peak(args.model, args.size, options, args.layers, args.live,
-                         args.partitioner)
+                         args.partitioner, predict=args.model_peak)
     print(f"{args.model} {args.size}, {args.layers} layer(s), {args.fp8}, {args.partitioner}'s "
           f"partition, order_backward "
           f"{args.order_backward}, torch {torch.__version__}: step peak {got['total']:,} B, "
           f"{got['above'] / 2**20:.2f} MiB above weights, inputs and gradients "
           f"({got['base']:,} B); activations after the forward {got['activations']:,} B")
+    if got["predicted"] is not None:
+        peak = got["predicted"]
+        print(f"graphpass's step-peak model on these graphs on cuda: {peak.bytes:,} B "
+              f"({peak.bytes / got['total']:.3f} of the CUDA code's), in the {peak.phase} at "
+              f"{peak.node}")
     if args.live:
         print(f"at {got['where']}:")
         for nbytes, name, shape, dtype in got["largest"]:
