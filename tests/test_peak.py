@@ -486,6 +486,20 @@ def test_backward_order_lowers_the_peak_inductors_code_reaches():
     assert all(torch.equal(a, b) for a, b in zip(torch_grads, ordered_grads))
 
 
+def _fakes_on(device: str):
+    """A maker of fake tensors on ``device`` from meta ones (``cuda`` needs no GPU):
+    ``fake(shape, dtype=torch.bfloat16)``."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode()
+
+    def fake(shape, dtype=torch.bfloat16):
+        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"),
+                          torch.device(device))
+
+    return fake
+
+
 @pytest.mark.parametrize("device, stored", [("cuda", False), ("cpu", True)])
 def test_an_inlined_quantize_on_a_gpu_computes_its_input_in_its_loops(device, stored):
     """Inductor's code for a quantize graphpass inlines (``fp8/inductor.py``): on a GPU its amax
@@ -495,17 +509,11 @@ def test_an_inlined_quantize_on_a_gpu_computes_its_input_in_its_loops(device, st
     import operator
 
     import torch.fx as fx
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from graphpass.fp8 import ops
     from graphpass.graph.inductor_kernels import inductor_buffers, inductor_kind
 
-    mode = FakeTensorMode()
-
-    def fake(shape, dtype=torch.bfloat16):
-        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"),
-                          torch.device(device))
-
+    fake = _fakes_on(device)
     g = fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
     product = g.call_function(torch.ops.aten.mul.Tensor, (a, b))
@@ -531,14 +539,13 @@ def test_inductors_reorder_for_peak_memory_runs_on_a_gpu_only(device):
     66,048 B, the second sum). The model reorders on a GPU only. Fake tensors on ``cuda`` need
     no GPU."""
     import torch.fx as fx
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from graphpass.graph.peak import step_peak
 
-    mode = FakeTensorMode()
+    on_device = _fakes_on(device)
 
     def fake(*shape):
-        return FakeTensor(mode, torch.empty(shape, device="meta"), torch.device(device))
+        return on_device(shape, torch.float32)
 
     aten = torch.ops.aten
     g = fx.Graph()
@@ -573,18 +580,12 @@ def test_the_reorder_takes_quantizes_of_one_input_inlined_on_a_gpu_as_one_node(d
     import operator
 
     import torch.fx as fx
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from graphpass.fp8 import ops
     from graphpass.graph.inductor_kernels import inductor_kernels
     from graphpass.graph.inductor_reorder import _fused_quantizes
 
-    mode = FakeTensorMode()
-
-    def fake(shape, dtype=torch.bfloat16):
-        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"),
-                          torch.device(device))
-
+    fake = _fakes_on(device)
     g = fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
     product = g.call_function(torch.ops.aten.mul.Tensor, (a, b))
