@@ -14,7 +14,8 @@
 #                   measured activations against graphpass.plan; PASS/FAIL lines
 #   2. experts.md   16 DeepSeek-V3-shaped experts over 8,192 and 32,768 routed tokens: bf16
 #                   against FP8 rowwise and tensorwise e4m3, with their kernel profiles
-#   3. profile_llama.txt   the kernels of the FP8 Llama step, largest first
+#   3. profile_llama.txt   the kernels of the FP8 Llama step, largest first, and the blocks live
+#                   at its measured memory peak by the wrapper line that allocated them
 #   4. pytest_gpu.txt      pytest -m gpu
 # The whole report (every config, offload, the step peak and the memory budget) is
 # benchmarks/gpu_report.py, which needs a longer lease.
