@@ -51,7 +51,7 @@ from ..report.peak import LiveTensor, StepPeak
 from .inductor_kernels import addmm_adds, inductor_kernels, inductor_kind
 from .inductor_memory import NONFREEABLE, Storage, reuse_plan, reused_inputs
 from .inductor_reorder import reorder_for_peak
-from .joint import offloaded_source
+from .joint import is_offload_machinery, offloaded_source
 from .nodes import module_path, op_name
 
 
@@ -172,7 +172,10 @@ def _walk(gm: fx.GraphModule, storages: dict[int, Storage], live: set[int], allo
     into an input that dies there where the sizes match (``inplace_buffers``); and a buffer its
     code frees is kept for a later allocation of the same size where Inductor's own estimate
     allows (``reuse_plan``). On a device other than the CPU the kernels run in the order
-    Inductor's ``reorder_for_peak_memory`` keeps (``_reordered``)."""
+    Inductor's ``reorder_for_peak_memory`` keeps (``_reordered``), except in a graph with torch's
+    activation offloading: the model of that reorder knows nothing of its streams and events,
+    and would move each reload from where torch's prefetch put it to just before its use, so
+    such a graph keeps the scheduler's order (not measured on a GPU)."""
     output = gm.graph.find_nodes(op="output")[0]
     externs: dict[fx.Node, fx.Node] = {}
     if fused:
@@ -184,7 +187,7 @@ def _walk(gm: fx.GraphModule, storages: dict[int, Storage], live: set[int], allo
     if output_kind is not None:  # the backward's outputs (gradients) live to its end
         for i in output.all_input_nodes:
             allocate(i, output_kind)
-    if fused and device != "cpu":
+    if fused and device != "cpu" and not any(map(is_offload_machinery, gm.graph.nodes)):
         kernels = _reordered(gm, kernels, reads, storages, live, allocate, sids, kind)
     last_use: dict[int, int] = {}  # storage -> the kernel that reads it last
     for k, kernel in enumerate([*kernels, [output]]):
