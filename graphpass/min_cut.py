@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _compat
 from .config import Config
 from .decisions import Decision, Plan, What, facts
+from .fp8.inductor import opaque_quantizes
 from .graph.backward_order import order_for_memory
 from .graph.nodes import is_backward, module_path, op_name
 from .graph.offload_copies import partition_windows
@@ -198,8 +199,10 @@ def partition_peak(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: 
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
     saved = {n.name: n.meta[_JOINT_NODE] for n in outputs[num_fwd_outputs:]
              if isinstance(n, fx.Node) and _JOINT_NODE in n.meta}
-    peak = step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs,
-                     parameter_names={p.name for p in plan.parameters}, runtime=config.codegen)
+    with opaque_quantizes(not config.fuse_quantize):
+        peak = step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs,
+                         parameter_names={p.name for p in plan.parameters},
+                         runtime=config.codegen)
     return PeakPrediction(peak, saved, partition_windows(fw, bw))
 
 

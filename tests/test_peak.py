@@ -511,6 +511,7 @@ def test_an_inlined_quantize_on_a_gpu_computes_its_input_in_its_loops(device, st
     import torch.fx as fx
 
     from graphpass.fp8 import ops
+    from graphpass.fp8.inductor import opaque_quantizes
     from graphpass.graph.inductor_kernels import inductor_buffers, inductor_kind
 
     fake = _fakes_on(device)
@@ -528,6 +529,9 @@ def test_an_inlined_quantize_on_a_gpu_computes_its_input_in_its_loops(device, st
     assert inductor_kind(quantize) == ("extern" if stored else "kernel")
     assert (product in inductor_buffers(gm)) is stored
     assert {a, b, quantize, data} <= inductor_buffers(gm)
+    with opaque_quantizes():  # fuse_quantize=False: one op reading its input from memory
+        assert inductor_kind(quantize) == "extern" and product in inductor_buffers(gm)
+    assert inductor_kind(quantize) == ("extern" if stored else "kernel")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -35,9 +35,11 @@ was 0.63x bf16's). ``fuse_quantize=False`` keeps each one opaque, for debugging.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -110,12 +112,29 @@ def _patterns() -> Any:
     return patterns
 
 
+_OPAQUE: contextvars.ContextVar[bool] = contextvars.ContextVar("graphpass_opaque_quantizes",
+                                                              default=False)
+
+
+@contextlib.contextmanager
+def opaque_quantizes(opaque: bool = True) -> Iterator[None]:
+    """Within it (``opaque``), ``computes_input_in_loops`` is False for every quantize: the
+    graphs are compiled with ``fuse_quantize=False``, each quantize one op."""
+    token = _OPAQUE.set(opaque)
+    try:
+        yield
+    finally:
+        _OPAQUE.reset(token)
+
+
 def computes_input_in_loops(node: fx.Node) -> bool:
     """Whether Inductor's code runs ``node`` (a ``graphpass::quantize``) as loops that compute
     its input's elementwise producer in place, so that the input is never a buffer: an inlined
     quantize on a GPU (``_input``). On the CPU its input is stored; an op left whole (grouped,
-    Triton, mxfp8) reads its input from memory."""
-    if node.target is not ops.QUANTIZE or len(node.args) != 4 or not inlinable(node.args[1]):
+    Triton, mxfp8, or every quantize under ``opaque_quantizes``: ``fuse_quantize=False``) reads
+    its input from memory."""
+    if (_OPAQUE.get() or node.target is not ops.QUANTIZE or len(node.args) != 4
+            or not inlinable(node.args[1])):
         return False
     x = node.args[0]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
