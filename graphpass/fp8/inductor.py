@@ -84,9 +84,7 @@ def _patterns() -> Any:
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
                         pm.KeywordArg("role"), pm.KeywordArg("usage")),
-        # a grouped quantize (offsets: one scale per token group) stays one op
-        extra_check=lambda match: len(match.output_node().args) == 4 and inlinable(
-            match.kwargs["recipe"]) and not triton_weight_quantize(match.output_node()),
+        extra_check=lambda match: _inlined_whole(match.output_node()),
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
@@ -127,19 +125,24 @@ def opaque_quantizes(opaque: bool = True) -> Iterator[None]:
         _OPAQUE.reset(token)
 
 
+def _inlined_whole(node: fx.Node) -> bool:
+    """Whether the pattern pass inlines ``node`` (a ``graphpass::quantize``) with
+    ``fused_quantize``: an inlinable recipe, not over token groups (offsets: one scale per token
+    group, ``_inline_groups``), not the expert weights' Triton kernels."""
+    return (node.target is ops.QUANTIZE and len(node.args) == 4 and inlinable(node.args[1])
+            and not triton_weight_quantize(node))
+
+
 def computes_input_in_loops(node: fx.Node) -> bool:
     """Whether Inductor's code runs ``node`` (a ``graphpass::quantize``) as loops that compute
     its input's elementwise producer in place, so that the input is never a buffer: an inlined
-    quantize on a GPU (``_input``). On the CPU its input is stored; an op left whole (grouped,
-    Triton, mxfp8, or every quantize under ``opaque_quantizes``: ``fuse_quantize=False``) reads
-    its input from memory."""
-    if (_OPAQUE.get() or node.target is not ops.QUANTIZE or len(node.args) != 4
-            or not inlinable(node.args[1])):
+    quantize whose input is not stored (``_input``, on a GPU). On the CPU its input is stored;
+    an op left whole (grouped, Triton, mxfp8, or every quantize under ``opaque_quantizes``:
+    ``fuse_quantize=False``) reads its input from memory."""
+    if _OPAQUE.get() or not _inlined_whole(node):
         return False
-    x = node.args[0]
-    val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return (isinstance(val, torch.Tensor) and val.device.type != "cpu"
-            and not triton_weight_quantize(node))
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return isinstance(val, torch.Tensor) and not _stores_input(val)
 
 
 def triton_weight_quantize(node: fx.Node) -> bool:
@@ -279,7 +282,12 @@ def _input(x: torch.Tensor) -> torch.Tensor:
     peak (tensorwise 1,249 -> 1,201 MiB above weights, inputs and gradients; rowwise 1,441 ->
     1,169; blockwise 1,250 -> 1,204). The bits are the stored input's: ``emulate_precision_casts``
     rounds the producer's bf16 values in registers as eager rounds them in memory."""
-    return _stored(x) if x.device.type == "cpu" else x
+    return _stored(x) if _stores_input(x) else x
+
+
+def _stores_input(x: torch.Tensor) -> bool:
+    """Whether an inlined quantize of ``x`` stores it first: for Inductor's C++ code."""
+    return x.device.type == "cpu"
 
 
 def _stored(t: torch.Tensor) -> torch.Tensor:
