@@ -46,6 +46,7 @@ import copy
 import importlib
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 from unittest import mock
@@ -100,8 +101,7 @@ class _Allocations:
 
     def empty_strided(self, size, stride, dtype):
         if self.tracker is not None:
-            held = sum(d.get("Total", 0) for d in self.tracker.get_tracker_snapshot("current")
-                       .values())
+            held = _held(self.tracker)
             if held > self.peak[0]:
                 frame = sys._getframe(1)
                 tensors = []
@@ -209,6 +209,20 @@ def _on_cuda(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _held(tracker: Any, which: str = "current") -> int:
+    """The bytes MemTracker holds now (``current``) or held at most (``peak``)."""
+    return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot(which).values())
+
+
+def _cuda_fakes(gm: fx.GraphModule, mode: Any) -> list:
+    """Fake tensors on ``cuda`` in ``mode`` like ``gm``'s placeholders (other inputs as they are),
+    the inputs a GPU compiles the graph for."""
+    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    with mode:
+        return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+                if isinstance(v, torch.Tensor) else v for v in vals]
+
+
 HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e
 
 
@@ -217,9 +231,7 @@ def kernel_bytes(source: str) -> list[tuple[str, float, int]]:
     from Inductor's ``kernel_num_gb`` (present where ``benchmark_kernel`` was set)."""
     per_launch = dict(re.findall(r"'kernel_name': '(\w+)'.*?'kernel_num_gb': ([0-9.e-]+)",
                                  source))
-    launches: dict[str, int] = {}
-    for name in re.findall(r"\b(triton_\w+)\.run\(", _step_code(source)):
-        launches[name] = launches.get(name, 0) + 1
+    launches = Counter(re.findall(r"\b(triton_\w+)\.run\(", _step_code(source)))
     return [(name, float(per_launch.get(name, "nan")), n) for name, n in launches.items()]
 
 
@@ -236,11 +248,8 @@ def _step_code(source: str) -> str:
 
 def extern_calls(source: str) -> dict[str, int]:
     """How often a generated wrapper calls each extern op (GEMMs, attention, custom ops)."""
-    calls: dict[str, int] = {}
-    for name in re.findall(r"(extern_kernels\.\w+|torch\.ops\.\w+\.\w+)(?:\.default)?\(",
-                           _step_code(source)):
-        calls[name] = calls.get(name, 0) + 1
-    return calls
+    return dict(Counter(re.findall(
+        r"(extern_kernels\.\w+|torch\.ops\.\w+\.\w+)(?:\.default)?\(", _step_code(source))))
 
 
 def model_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> Any:
@@ -259,11 +268,7 @@ def model_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> Any:
         for patch in _sm90_patches(_Allocations()):
             stack.enter_context(patch)
         for gm in (fw, bw):
-            vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-            with mode:
-                inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
-                          if isinstance(v, torch.Tensor) else v for v in vals]
-            FakeTensorProp(_on_cuda(gm), mode).propagate(*inputs)
+            FakeTensorProp(_on_cuda(gm), mode).propagate(*_cuda_fakes(gm, mode))
         return step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs, parameter_names=set())
 
 
@@ -298,12 +303,6 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
     allocations.live = live
     mode = FakeTensorMode()
 
-    def fakes(gm: fx.GraphModule) -> list:
-        vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-        with mode:
-            return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
-                    if isinstance(v, torch.Tensor) else v for v in vals]
-
     tangent_count = sum(n.name.startswith("tangents")
                         for n in bw.graph.find_nodes(op="placeholder"))
     with contextlib.ExitStack() as stack:
@@ -312,12 +311,13 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
         inductor_config = importlib.import_module("torch._inductor.config")
         stack.enter_context(inductor_config.patch(fx_graph_cache=False, compile_threads=1,
                                                   benchmark_kernel=True))
-        fw_in = fakes(fw)
+        fw_in = _cuda_fakes(fw, mode)
+        inputs = _storage_bytes(fw_in)
         patches = {k: v for k, v in graphpass.backend(**options)._inductor_patches(fw_in).items()
                    if k != "custom_partitioner_fn"}
         with inductor_config.patch(patches):
             forward = compile_fx_inner(_on_cuda(fw), fw_in)
-            bw_in = fakes(bw)
+            bw_in = _cuda_fakes(bw, mode)
             backward = compile_fx_inner(_on_cuda(bw), bw_in, is_backward=True)
         saved_count = len(bw_in) - tangent_count
         with mode:
@@ -326,37 +326,32 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
             with tracker:
                 allocations.tracker = tracker
                 outs = forward(list(fw_in))
-                saved = outs[len(outs) - saved_count:]
-                held = sum(d.get("Total", 0)
-                           for d in tracker.get_tracker_snapshot("current").values())
+                # the outputs live on through the backward (``out.backward(grad)``), as in the GPU
+                # measurement; the output gradients were allocated before it (not tracked)
+                user, saved = outs[:len(outs) - saved_count], outs[len(outs) - saved_count:]
                 # what the forward created and the backward keeps: the saved tensors (a saved
                 # model input excepted: it existed before the step, as in the GPU measurement)
-                activations = held - _storage_bytes(fw_in) - _storage_bytes(
-                    [t for t in outs[:len(outs) - saved_count]
+                activations = _held(tracker) - inputs - _storage_bytes(
+                    [t for t in user
                      if _storage_bytes([t]) and not any(
                          t.untyped_storage()._cdata == s.untyped_storage()._cdata
                          for s in saved if isinstance(s, torch.Tensor))])
-                # the outputs live on through the backward (``out.backward(grad)``), as in the GPU
-                # measurement; the output gradients were allocated before it (not tracked)
-                user = outs[:len(outs) - saved_count]
                 # the backward frees each saved tensor after its last use (it clears the list it
                 # is given), so nothing here may hold them: only the list handed to it
                 bw_args = list(saved) + bw_in[saved_count:]
                 del outs, saved
                 grads = backward(bw_args)
                 # what the step leaves beyond inputs and gradients: the outputs alone
-                left = (sum(d.get("Total", 0)
-                            for d in tracker.get_tracker_snapshot("current").values())
-                        - _storage_bytes(list(fw_in) + list(grads)))
+                left = _held(tracker) - _storage_bytes(list(fw_in) + list(grads))
                 outputs = _storage_bytes(user)
                 del user
                 allocations.tracker = None
-            total = sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+            total = _held(tracker, "peak")
     held, where, largest = allocations.peak
-    base = _storage_bytes(fw_in) + _storage_bytes(grads)
+    base = inputs + _storage_bytes(grads)
     return {"total": total, "above": total - base, "base": base, "where": where,
             "largest": largest, "activations": activations,
-            "inputs": _storage_bytes(fw_in), "left": left, "outputs": outputs,
+            "inputs": inputs, "left": left, "outputs": outputs,
             "sources": {"forward": forward.source_code, "backward": backward.source_code},
             "predicted": predicted}
 

@@ -188,7 +188,7 @@ def _walk(gm: fx.GraphModule, storages: dict[int, Storage], live: set[int], allo
         for i in output.all_input_nodes:
             allocate(i, output_kind)
     if fused and device != "cpu" and not any(map(is_offload_machinery, gm.graph.nodes)):
-        kernels = _reordered(gm, kernels, reads, storages, live, allocate, sids, kind)
+        kernels = _reordered(gm, output, kernels, reads, storages, live, allocate, sids, kind)
     last_use: dict[int, int] = {}  # storage -> the kernel that reads it last
     for k, kernel in enumerate([*kernels, [output]]):
         for node in kernel:
@@ -241,7 +241,7 @@ def _walk(gm: fx.GraphModule, storages: dict[int, Storage], live: set[int], allo
     return best
 
 
-def _reordered(gm: fx.GraphModule, kernels: list[list[fx.Node]], reads: Any,
+def _reordered(gm: fx.GraphModule, output: fx.Node, kernels: list[list[fx.Node]], reads: Any,
                storages: dict[int, Storage], live: set[int], allocate: Any, sids: Any,
                kind: str) -> list[list[fx.Node]]:
     """The kernels in the order Inductor's ``reorder_for_peak_memory`` keeps
@@ -252,7 +252,6 @@ def _reordered(gm: fx.GraphModule, kernels: list[list[fx.Node]], reads: Any,
             allocate(node, kind)
     freeable = {s for n in gm.graph.find_nodes(op="placeholder")
                 if not n.name.startswith(NONFREEABLE) for s in sids(n)} & live
-    output = gm.graph.find_nodes(op="output")[0]
     outputs = {s for i in output.all_input_nodes for s in sids(i)}
     return reorder_for_peak(kernels, reads, sids, lambda s: storages[s].bytes, live, freeable,
                             outputs)
