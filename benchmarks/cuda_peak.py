@@ -191,9 +191,11 @@ def partitioned(model_name: str, size: str, layers: int, options: dict[str, Any]
     example = importlib.import_module(f"examples.{model_name}")
     model, inputs = example.build(size, layers=layers, device="meta", dtype=torch.bfloat16)
     with mock.patch.object(backend_module, "run", capturing):
-        graphpass.plan(model, *inputs, config=graphpass.Config(**options))
+        report = graphpass.plan(model, *inputs, config=graphpass.Config(**options))
     if len(graphs) != 1:
         raise SystemExit(f"cuda_peak.py: {len(graphs)} graphs (a graph break?); one expected")
+    # graphpass.plan's own prediction, on the CPU graphs it traced
+    graphs[0][0].meta["plan_peak"] = report.meta.get("step_peak", {}).get("bytes")
     return graphs[0][0], graphs[0][1]
 
 
@@ -353,7 +355,7 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
             "largest": largest, "activations": activations,
             "inputs": inputs, "left": left, "outputs": outputs,
             "sources": {"forward": forward.source_code, "backward": backward.source_code},
-            "predicted": predicted}
+            "predicted": predicted, "plan_peak": fw.meta.get("plan_peak")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({got['base']:,} B); activations after the forward {got['activations']:,} B")
     if got["predicted"] is not None:
         peak = got["predicted"]
-        print(f"graphpass's step-peak model on these graphs on cuda: {peak.bytes:,} B "
+        print(f"graphpass.plan's step peak (its CPU graphs): {got['plan_peak']:,} B; "
+              f"graphpass's step-peak model on these graphs on cuda: {peak.bytes:,} B "
               f"({peak.bytes / got['total']:.3f} of the CUDA code's), in the {peak.phase} at "
               f"{peak.node}")
     if args.live:
