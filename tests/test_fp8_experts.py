@@ -536,9 +536,10 @@ def test_scaled_batched_forward_matches_the_per_expert_loop_on_cuda():
         torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2)
 
 
-def _compiled_token_groups(recipe, kernels, device, offsets="ragged", **options):
+def _compiled_token_groups(recipe, kernels, device, offsets="ragged", stored_kn=False,
+                           **options):
     torch.manual_seed(0)
-    experts = TokenGroupedExperts(False).to(device)
+    experts = TokenGroupedExperts(stored_kn).to(device)
     offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32, device=device)
     x = torch.randn(T, K, dtype=torch.bfloat16, device=device, requires_grad=True)
     grad_y = torch.randn(T, N, dtype=torch.bfloat16, device=device)
@@ -548,6 +549,42 @@ def _compiled_token_groups(recipe, kernels, device, offsets="ragged", **options)
     y = compiled(x, offs)
     y.backward(grad_y)
     return y.detach(), x.grad, experts.weight.grad
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_token_grouped_gradient_is_quantized_once_for_dgrad_and_wgrad(recipe, monkeypatch):
+    """The gradient of a token-grouped GEMM is quantized by one ``usage="both"`` op for dgrad's
+    rowwise and wgrad's columnwise copy (on CUDA the grouped kernels then read it twice, not
+    four times), the backward's only gradient quantize; gradients bit-identical to two
+    quantizes."""
+    import sys
+
+    from graphpass.passes import lower_fp8
+
+    backend_module = sys.modules["graphpass.backend"]  # graphpass.backend is the function
+
+    def run():
+        backwards = []
+
+        def keep(*args, **kwargs):
+            partition = real_run(*args, **kwargs)
+            backwards.append(partition.backward.graph)
+            return partition
+
+        with monkeypatch.context() as m:
+            m.setattr(backend_module, "run", keep)
+            y, dx, dw = _compiled_token_groups(recipe, "reference", "cpu", stored_kn=True)
+        usages = [n.args[3] for n in backwards[-1].nodes
+                  if n.target is ops.QUANTIZE and n.args[2] == "grad"]
+        return usages, (y, dx, dw)
+
+    real_run = backend_module.run
+    usages, grads = run()
+    assert usages == ["both"]
+    monkeypatch.setattr(lower_fp8, "_merge_grouped_gradient_quantizes", lambda graph: None)
+    usages, apart = run()
+    assert sorted(usages) == ["columnwise", "rowwise"]
+    assert all(torch.equal(a, b) for a, b in zip(grads, apart))
 
 
 def test_scaled_mm_provider_runs_token_groups_per_group_on_cpu():

@@ -39,8 +39,9 @@ from ..graph import gemms
 from ..graph.flops import node_flops
 from ..graph.heads import HEAD_PATTERNS, output_heads
 from ..graph.linears import Linear, find_grouped, find_grouped_offsets, find_linears
-from ..graph.nodes import module_path, op_name
+from ..graph.nodes import is_backward, module_path, op_name
 from .partitioner import TrialPartitioner
+from .save_original import merge_usages
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
@@ -97,12 +98,30 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
         if recipe.per_row and lin.offs is not None and device.type == "cuda":
             plan.decide(Decision(What.TOKEN_QUANTIZE, "fp8", _token_kernel(
                 lin.x.meta["val"], recipe, lin.offs.meta["val"]), lin.module), once=True)
+    _merge_grouped_gradient_quantizes(joint.graph)
     # No silent high-precision GEMM: every GEMM left is named, once per module and reason.
     for gemm in gemms.gemms(joint):
         if gemm.reason is not None:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", gemm.reason, gemm.module), once=True)
     _lint(joint)
     joint.recompile()
+
+
+def _merge_grouped_gradient_quantizes(graph: fx.Graph) -> None:
+    """A token-grouped gradient's two copies (rowwise for dgrad, columnwise for wgrad) from one
+    ``usage="both"`` quantize: the grouped kernels then read the gradient for both copies'
+    amaxes once and again for both casts, where two quantizes read it four times. Same bits
+    (the copies do not depend on each other); both copies are made at the first GEMM's
+    quantize, which in a linear's backward is right before the other."""
+    pairs: dict[tuple[Any, ...], dict[str, fx.Node]] = {}
+    for node in graph.nodes:
+        if node.target is QUANTIZE and len(node.args) > 4 and node.args[2] == "grad" \
+                and is_backward(node):
+            x, recipe, role, usage, offs = node.args[:5]
+            pairs.setdefault((x, recipe, role, offs), {})[usage] = node
+    for by_usage in pairs.values():
+        if set(by_usage) == {"rowwise", "columnwise"}:
+            merge_usages(graph, by_usage["rowwise"], by_usage["columnwise"])
 
 
 def _lint(joint: fx.GraphModule) -> None:

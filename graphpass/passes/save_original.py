@@ -97,13 +97,15 @@ def _offs(quantize: fx.Node) -> fx.Node | None:
 
 
 def merge_usages(graph: fx.Graph, row: fx.Node, col: fx.Node) -> fx.Node:
-    """One ``usage="both"`` quantize in place of a rowwise and a columnwise one: the new node."""
+    """One ``usage="both"`` quantize in place of a rowwise and a columnwise one, where the first
+    of them was: the new node. A forward one is saved (unless the user's checkpoint region
+    recomputes it)."""
     x, recipe, role, _ = row.args[:4]
-    with graph.inserting_before(row):
+    first = next(n for n in graph.nodes if n is row or n is col)
+    with graph.inserting_before(first):
         both = graph.call_function(QUANTIZE, (x, recipe, role, "both", *row.args[4:]))
         both.meta = {**row.meta, "val": [*row.meta["val"], *col.meta["val"]]}
-        # saved in the forward, unless the user's checkpoint region recomputes it
-        if not in_user_checkpoint(row):
+        if not is_backward(row) and not in_user_checkpoint(row):
             both.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         outs = []
         for i in range(4):
