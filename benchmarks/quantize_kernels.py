@@ -186,28 +186,25 @@ def grouped(shapes: list[tuple[int, int, int]], recipe: str, device: str, bench)
     print()
 
 
-# the tile configurations --sweep times, as changes to the defaults; the second row of each is
-# the configuration the defaults replaced (its cast kernels hold 255 registers a thread and
-# spill; the defaults' about 110 with no spill, `ptxas -v` for sm_90)
 GROUPED_SWEEP = [
     dict(),
-    dict(amax_block=(32, 512), amax_warps=4, cast_block=(64, 128), cast_warps=4),
-    dict(cast_block=(32, 128), cast_warps=4),
-    dict(cast_block=(32, 64), cast_warps=4),
-    dict(cast_block=(16, 64), cast_warps=4),
-    dict(cast_block=(64, 64), cast_warps=8),
-    dict(cast_block=(32, 128), cast_warps=8),
-    dict(cast_block=(64, 128), cast_warps=16),
-    dict(amax_block=(8, 256), amax_warps=4),
-    dict(amax_block=(8, 512), amax_warps=4),
+    dict(cast="soft"),
     dict(amax_t_chunk=256),
+    dict(amax_t_chunk=1024),
+    dict(amax_block=(16, 512), amax_t_chunk=256),
+    dict(amax_block=(64, 256), amax_warps=8),
+    dict(cast_block=(128, 128), cast_warps=8),
+    dict(cast_block=(32, 128)),
+    dict(cast_block=(64, 256), cast_warps=8),
     dict(cast_k_chunk=512),
+    dict(cast_k_chunk=2048),
 ]
 
 
 def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
     """Median times of tile configurations of the grouped kernels: both copies, and the
-    columnwise copy alone (the wgrad operand whose rowwise copy another quantize made)."""
+    columnwise copy alone (the wgrad operand of a layer's input, whose rowwise copy the forward
+    made)."""
     import torch
 
     from graphpass.fp8 import ops
@@ -240,21 +237,22 @@ def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
 
 SWEEP = [
     dict(),
-    dict(amax_block=(32, 512), amax_warps=4, cast_block=(64, 128), cast_warps=4,
-         rows_one_pass=0),
-    dict(rows_one_pass=0),
-    dict(rows_one_pass_warps=8),
-    dict(rows_one_pass=16384),
-    dict(cast_block=(32, 64), cast_warps=4),
-    dict(cast_block=(16, 64), cast_warps=4),
-    dict(cast_block=(64, 64), cast_warps=8),
-    dict(cast_block=(32, 128), cast_warps=8),
-    dict(cast_block=(64, 128), cast_warps=16),
-    dict(amax_block=(8, 512), amax_warps=4),
-    dict(amax_block=(16, 256), amax_warps=4),
-    dict(amax_block=(32, 512), amax_warps=16),
+    dict(cast="soft"),
+    dict(amax_block=(16, 512)),
+    dict(amax_block=(32, 256), amax_n_chunk=1024),
+    dict(amax_block=(64, 256), amax_warps=8),
+    dict(amax_n_chunk=1024),
+    dict(amax_n_chunk=256),
+    dict(cast_block=(128, 128)),
+    dict(cast_block=(128, 128), cast_warps=8),
     dict(cast_k_chunk=512),
     dict(cast_k_chunk=2048),
+    dict(cast_block=(32, 128)),
+    dict(cast_block=(128, 64)),
+    dict(cast_block=(64, 256), cast_warps=8),
+    dict(rows_block=(1, 2048)),
+    dict(rows_block=(4, 1024)),
+    dict(rows_block=(2, 2048), rows_warps=8),
 ]
 
 

@@ -29,12 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Small tiles under the interpreter, so that ragged shapes span several tiles and chunks (the
 # atomics then merge maxima from several programs): amax tile 16x32 down 32-row chunks, cast
-# tile 16x32 along 64-column chunks, rowwise-only strips of 4 rows read 32 columns at a time
-# (twice: the one-pass rowwise kernel has its own case).
+# tile 16x32 along 64-column chunks, rowwise-only strips of 4 rows read 32 columns at a time.
 # None: the default (Hopper) configuration, a few ragged tiles per expert here, which the
 # interpreter runs fastest (its cost is per program and operation, not per element).
 SMALL = dict(amax_block=(16, 32), amax_n_chunk=32, amax_warps=4, cast_block=(16, 32),
-             cast_k_chunk=64, cast_warps=4, rows_block=(4, 32), rows_warps=4, rows_one_pass=0)
+             cast_k_chunk=64, cast_warps=4, rows_block=(4, 32), rows_warps=4)
 
 # id: (shape, input dtype, inputs, recipe, role, usage, power_2_scales, amax_epsilon,
 #      KernelConfig settings)
@@ -43,9 +42,6 @@ CASES: dict[str, tuple] = {
                          None, None, SMALL),
     "ragged_bf16_rows": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight", "rowwise",
                          None, None, SMALL),
-    # whole rows of 70 in registers, two rows (2 x 128 elements) a program
-    "ragged_bf16_rows_one_pass": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
-                                  "rowwise", None, None, SMALL | dict(rows_one_pass=256)),
     "ragged_bf16_rows_two_passes": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
                                     "rowwise", None, None, SMALL | dict(fuse_rows=False)),
     "ragged_bf16_cols": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight", "columnwise",

@@ -90,8 +90,7 @@ _USAGES = {"rowwise": (True, False), "columnwise": (False, True), "both": (True,
 
 @dataclass(frozen=True)
 class GroupedKernelConfig:
-    """Tile shapes and launch settings of the grouped kernels (powers of two; the defaults
-    chosen as ``triton_quantize.KernelConfig``'s, to keep them in registers on sm_90).
+    """Tile shapes and launch settings of the grouped kernels (powers of two).
 
     ``amax_block``: the (rows, columns) tile the amax pass reads at a time; ``amax_t_chunk``:
     the rows one amax program walks down (its groups' column maxima stay in registers: one
@@ -103,12 +102,12 @@ class GroupedKernelConfig:
     ``triton_quantize``'s rowwise kernel with its default tiles.
     """
 
-    amax_block: tuple[int, int] = (16, 512)
+    amax_block: tuple[int, int] = (32, 512)
     amax_t_chunk: int = 512
-    amax_warps: int = 8
-    cast_block: tuple[int, int] = (32, 64)
+    amax_warps: int = 4
+    cast_block: tuple[int, int] = (64, 128)
     cast_k_chunk: int = 1024
-    cast_warps: int = 8
+    cast_warps: int = 4
     cast: str | None = None
 
     def __post_init__(self) -> None:

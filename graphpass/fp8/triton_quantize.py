@@ -29,18 +29,21 @@ Kernels, and the bytes each moves per element of x (s bytes per input element, 2
     both stores run along contiguous memory. The programs of the first chunk (rows) and of the
     first rows (columns) also write scale_inv.
 
-* the rowwise copy alone: ``_rows_kernel``, no atomics. Where a whole row, its length rounded up
-  to a power of two, fits ``rows_one_pass`` elements (8192: rows of up to 8192), a program holds
-  its rows in registers: one read, s + 1 bytes. Longer rows: a program owns ``rows_block[0]``
-  whole rows, reads them for their amaxes and again for the cast, s + 1 from memory when the
-  second read hits in cache, 2s + 1 when it misses (on an H200 the strips in flight outgrow the
-  L2, so it largely misses).
+* the rowwise copy alone: ``_rows_kernel``, one pass. A program owns ``rows_block[0]`` whole rows,
+  reads them for their amaxes and again for the cast while they are still in cache: s + 1 from
+  memory when the second read hits (2s + 1 at most); no atomics.
 
 The amaxes and scales add 4 bytes per row and per column. Measured on an H200 (torch 2.11,
 Triton 3.6, ``benchmarks/quantize_kernels.py``), (16, 4096, 7168) bf16: both copies 1.28 ms
 (amax pass 0.39, cast pass 0.90), rowwise 0.57 ms, columnwise 0.79 ms; 1.09x, 1.10x and 0.99x
 the Inductor times above. The cast pass writing both copies moves its bytes at about 2.1 TB/s,
-half the card's copy bandwidth: the rest of the gap to the byte count is there.
+half the card's copy bandwidth: the rest of the gap to the byte count is there. Its default tile
+holds 64 elements a thread: ``ptxas`` gives the cast kernel 255 registers and spills (1,440
+bytes of spill stores a thread for both copies). Tiles of 8 elements a thread keep it in
+registers (111, no spill) but were slower on the H200 (``--sweep``, same shape: both copies
+2.42 ms with amax tiles of (16, 512) over 8 warps, whose column maxima are then reduced across
+warps at every tile; 1.95 ms with (8, 512) over 4 warps), and so was a rowwise kernel holding
+whole rows in registers for one read (0.62 against 0.57 ms: the second read hits the cache).
 
 Numerics (each bit-identical to the torch code):
 
@@ -101,10 +104,8 @@ _MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension: one program row
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile shapes and launch settings of the kernels (powers of two). The defaults give each
-    thread about 8 elements of a cast tile and 32 of an amax tile, which keeps the kernels in
-    registers on sm_90 (at most about 110 a thread, no spills: ``test_triton_compile``); the
-    tiles they replaced held 64 to 128 elements a thread and spilled.
+    """Tile shapes and launch settings of the kernels (powers of two; defaults measured on an
+    H200).
 
     ``amax_block``: the (rows, columns) tile the amax pass reads at a time; ``amax_n_chunk``: the
     rows one amax program walks down (a multiple of ``amax_block[0]``), keeping its columns'
@@ -112,31 +113,25 @@ class KernelConfig:
     tile. ``cast_block``: the cast pass's tile, whose rows are the contiguous runs of the
     transposed store; ``cast_k_chunk``: the columns one cast program walks along (a multiple of
     ``cast_block[1]``). ``rows_block``: the strip of rows one program of the rowwise-only kernel
-    owns, and how many columns it reads at a time. ``rows_one_pass``: the elements (rows times
-    the row length rounded up to a power of two) one program of that kernel holds in registers
-    when a whole row fits, so it reads x once (0: never; then it reads each strip twice, the
-    second time from cache), with ``rows_one_pass_warps`` warps. ``fuse_rows``: the rowwise copy
-    alone through that one-kernel path (else the two passes). ``cast``: how fp32 becomes fp8: ``"ptx"`` (the
+    owns, and how many columns it reads at a time. ``fuse_rows``: the rowwise copy alone through
+    that one-kernel path (else the two passes). ``cast``: how fp32 becomes fp8: ``"ptx"`` (the
     ``cvt.rn.satfinite`` instruction through inline PTX; sm_89+ GPUs) or ``"soft"`` (integer
     arithmetic: any device, and the interpreter); None picks ``"ptx"`` where it can run.
     """
 
-    amax_block: tuple[int, int] = (16, 512)
+    amax_block: tuple[int, int] = (32, 512)
     amax_n_chunk: int = 512
-    amax_warps: int = 8
-    cast_block: tuple[int, int] = (32, 64)
+    amax_warps: int = 4
+    cast_block: tuple[int, int] = (64, 128)
     cast_k_chunk: int = 1024
-    cast_warps: int = 8
+    cast_warps: int = 4
     rows_block: tuple[int, int] = (2, 1024)
     rows_warps: int = 4
-    rows_one_pass: int = 8192
-    rows_one_pass_warps: int = 16
     fuse_rows: bool = True
     cast: str | None = None
 
     def __post_init__(self) -> None:
-        for b in (*self.amax_block, *self.cast_block, *self.rows_block,
-                  self.rows_one_pass or 1):
+        for b in (*self.amax_block, *self.cast_block, *self.rows_block):
             if b < 1 or b & (b - 1):
                 raise ValueError(f"block sizes must be powers of two, got {self}")
         if self.amax_n_chunk < self.amax_block[0] or self.amax_n_chunk % self.amax_block[0]:
@@ -308,26 +303,15 @@ if triton is not None:
     @triton.jit
     def _rows_kernel(x_ptr, q_ptr, s_ptr, N, K, FP8_MAX, EPS,
                      POW2: tl.constexpr, E5M2: tl.constexpr, CAST: tl.constexpr,
-                     BF16_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ONE_PASS: tl.constexpr):
-        """The rowwise copy alone: a program owns BLOCK_N whole rows. With ONE_PASS (BLOCK_K >=
-        K) it reads them once and keeps them in registers for the cast; else it reads them once
-        for their amaxes and again (from cache, just read) for the cast."""
+                     BF16_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The rowwise copy alone: a program owns BLOCK_N whole rows, reads them once for their
+        amaxes and again (from cache, just read) for the cast."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1).to(tl.int64)
         x_ptr += e * N * K
         q_ptr += e * N * K
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_in = n < N
-        if ONE_PASS:
-            k = tl.arange(0, BLOCK_K)
-            mask = n_in[:, None] & (k < K)[None, :]
-            x = _load_f32(x_ptr + n[:, None] * K + k[None, :], mask, BF16_BITS)
-            scale, scale_inv = _scales(tl.max(_abs_no_nan(x), axis=1), FP8_MAX, EPS, POW2)
-            tl.store(s_ptr + e * N + n, scale_inv, mask=n_in)
-            tl.store(q_ptr + n[:, None] * K + k[None, :],
-                     _fp8_bits(x, scale[:, None], FP8_MAX, E5M2, CAST), mask=mask)
-            return
         row_max = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -502,15 +486,11 @@ def _quantize(x: Tensor, *, fp8_dtype: torch.dtype, fp8_max: float, power_2_scal
     e5m2 = fp8_dtype == recipes.E5M2
     if rows and not cols and cfg.fuse_rows:
         e, n, k = x.shape
-        (bn, bk), warps = cfg.rows_block, cfg.rows_warps
-        one_pass = triton.next_power_of_2(k) <= cfg.rows_one_pass
-        if one_pass:  # whole rows in registers: one read of x
-            bk = triton.next_power_of_2(k)
-            bn, warps = max(1, cfg.rows_one_pass // bk), cfg.rows_one_pass_warps
+        bn, bk = cfg.rows_block
         _rows_kernel[(triton.cdiv(n, bn), e)](
             xs, out[0].view(torch.uint8), out[1], n, k, float(fp8_max), float(amax_epsilon),
             POW2=bool(power_2_scales), E5M2=e5m2, CAST=cast, BF16_BITS=xs.dtype == torch.int16,
-            BLOCK_N=bn, BLOCK_K=bk, ONE_PASS=one_pass, num_warps=warps, **_launch_options())
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.rows_warps, **_launch_options())
         return out
     row_amax, col_amax = _amax_pass(xs, rows, cols, cfg)
     _cast_pass(xs, row_amax, col_amax, out, fp8_max=fp8_max, power_2_scales=power_2_scales,
