@@ -63,15 +63,18 @@ def cuda_graphs(options: dict[str, Any] | None
     return rest or None, context
 
 
-def picked(label: str, configs: Sequence[str] | None) -> bool:
+def picked(label: str, configs: Sequence[str] | None,
+           opt_in: Sequence[str] = (GRAPHS,)) -> bool:
     """Whether a config runs under a ``--configs`` filter: its label contains one of
-    ``configs`` (every config when None). A label with ``CUDA graphs`` in it runs under a filter
-    only when one of ``configs`` says ``CUDA graphs`` too, so the filters of the GPU scripts'
-    stages keep their configs and their time. Callers run their baseline whatever it says."""
+    ``configs`` (every config when None). A label with one of ``opt_in`` in it (``CUDA graphs``)
+    runs under a filter only when one of ``configs`` says those words too, so the filters of the
+    GPU scripts' stages keep their configs and their time. Callers run their baseline whatever
+    it says."""
     if configs is None:
         return True
-    if GRAPHS in label and not any(GRAPHS in c for c in configs):
-        return False
+    for words in opt_in:
+        if words in label and not any(words in c for c in configs):
+            return False
     return any(c in label for c in configs)
 
 

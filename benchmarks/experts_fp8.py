@@ -13,7 +13,10 @@ as rowwise) and FP8 ``tensorwise`` in its default HYBRID format (E5M2 gradients:
 one GEMM per expert), all on ``kernels="scaled_mm"``; speedups are against the bf16 row of the
 same run. Each FP8 step is then profiled (``torch.profiler``): its kernel time, the GEMM
 share, the GEMM launches and device copies per step (a per-expert loop shows as at least one
-GEMM launch per expert, judged; its copies are reported beside), and its top kernels. Where a
+GEMM launch per expert, judged; its copies are reported beside), its top kernels, and the host
+time of graphpass's graph ops (their CPU time under the profiler, with the allocations and
+kernel launches they make: where it approaches the kernel time, the step waits on the host).
+Where a
 ``CUDA graphs`` row is picked, bf16 and FP8 rowwise run again under Inductor's CUDA graphs
 (``triton.cudagraphs``), the FP8 row against that bf16 row: the step without its launch gaps.
 
@@ -30,7 +33,7 @@ import contextlib
 import importlib
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
@@ -40,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
-from _harness import (CUDAGRAPHS, Result, cuda_graphs, is_gemm, measure, picked,  # noqa: E402
+from _harness import (CUDAGRAPHS, GRAPHS, Result, cuda_graphs, is_gemm, measure, picked,  # noqa: E402
                       reason, step_ms)
 
 # The speed targets: FP8 rowwise against bf16 in the same run.
@@ -73,12 +76,16 @@ def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[
 
 
 INDUCTOR_TOKENS = "inductor_token_quantize"  # a benchmark switch, not a graphpass option
+# Rows a --configs filter runs only where it names them: the launch-gap rows, and the Inductor
+# token quantize row (what the Triton kernels gain: measured, 1.5x to 2x on an H200)
+INDUCTOR_TOKEN_ROW = "Inductor token quantize"
+OPT_IN = (GRAPHS, INDUCTOR_TOKEN_ROW)
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
     ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
     # the same with the token-grouped quantizes left to Inductor's fusion of the recipe instead
     # of graphpass's Triton kernels (triton_grouped.py): what the kernels gain, in one run
-    ("FP8 rowwise/scaled_mm, Inductor token quantize",
+    (f"FP8 rowwise/scaled_mm, {INDUCTOR_TOKEN_ROW}",
      {"fp8": "rowwise", "kernels": "scaled_mm", INDUCTOR_TOKENS: True}),
     ("FP8 tensorwise e4m3/scaled_mm", {"fp8": "tensorwise", "fp8_format": "e4m3",
                                        "kernels": "scaled_mm"}),
@@ -105,14 +112,22 @@ class Profile:
     gemm_launches: float  # per step
     copies: float  # per step
     top: list[tuple[float, float, str]]  # (ms per step, calls per step, name)
+    # graphpass's graph ops on the host (CUDA): (ms per step, calls per step, op), their CPU
+    # time under the profiler with what they call (allocations, kernel launches)
+    host: list[tuple[float, float, str]] = field(default_factory=list)
+
+    @property
+    def host_ms(self) -> float:
+        return sum(ms for ms, _, _ in self.host)
 
 
 def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
     """Kernel time and counts of ``steps`` calls of ``step`` (CUDA); on the CPU the graph ops'
     counts: FP8 GEMM ops and per-group ``_scaled_mm`` calls as GEMM launches, copies as copies."""
     cuda = device.type == "cuda"
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity]) as prof:
+    cpu = torch.profiler.ProfilerActivity.CPU
+    activities = [cpu, torch.profiler.ProfilerActivity.CUDA] if cuda else [cpu]
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         if cuda:
@@ -132,11 +147,15 @@ def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
         # FP8 GEMM ops and torch._scaled_mm calls (a per-group loop's) instead
         gemm = [e for e in events if e.key in ("graphpass::fp8_gemm", "aten::_scaled_mm")]
         copies = [e for e in events if e.key == "aten::index_copy_"]
+    host = sorted(((e.cpu_time_total / steps / 1e3, e.count / steps, e.key)
+                   for e in prof.key_averages() if cuda and e.key.startswith("graphpass::")),
+                  reverse=True)
     events.sort(key=time, reverse=True)
     total = sum(time(e) for e in events) / steps / 1e3
     return Profile(total, sum(time(e) for e in gemm) / steps / 1e3,
                    sum(e.count for e in gemm) / steps, sum(e.count for e in copies) / steps,
-                   [(time(e) / steps / 1e3, e.count / steps, e.key[:100]) for e in events[:top]])
+                   [(time(e) / steps / 1e3, e.count / steps, e.key[:100]) for e in events[:top]],
+                   host)
 
 
 def run(case: Case, options: dict[str, object], device: torch.device, codegen: str, steps: int,
@@ -282,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
              f"steps after {warmup} warm-up; speedup = bf16 median / this median, same run.", "",
              "## Step time", "",
              "| case | config | median ms | vs bf16 | step peak MiB | kernel ms | GEMM ms "
-             "| GEMM launches/step | copies/step | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| GEMM launches/step | copies/step | graphpass ops' host ms | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     speedups: dict[tuple[str, str], float] = {}
     profiles: dict[tuple[str, str], Profile] = {}
     peaks: dict[tuple[str, str], int] = {}
@@ -291,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         for micro in args.micro_batches:
             baseline = None
             for label, options in CONFIGS:
-                if label != "bf16" and not picked(label, args.configs):
+                if label != "bf16" and not picked(label, args.configs, OPT_IN):
                     continue
                 if micro > 1 and label != "bf16" and label != ROWWISE:
                     continue  # accumulation: bf16 against rowwise with the weight cache
@@ -316,13 +335,16 @@ def main(argv: list[str] | None = None) -> int:
                          f"{result.step_peak_bytes / 2**20:.1f}" if result.step_peak_bytes
                          else "-",
                          *(([f"{prof.kernel_ms:.2f}", f"{prof.gemm_ms:.2f}",
-                             f"{prof.gemm_launches:g}", f"{prof.copies:g}"]) if prof
-                           else ["-"] * 4), result.note]
+                             f"{prof.gemm_launches:g}", f"{prof.copies:g}",
+                             f"{prof.host_ms:.2f}" if prof.host else "-"]) if prof
+                           else ["-"] * 5), result.note]
                 lines.append("| " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
                 if prof is not None:  # in the log at once: a stage cut by its timeout keeps it
                     print("\n".join(f"    {ms:.3f} ms/step, {calls:g} calls: {name}"
                                      for ms, calls, name in prof.top), flush=True)
+                    print("\n".join(f"    host {ms:.3f} ms/step, {calls:g} calls: {name}"
+                                     for ms, calls, name in prof.host), flush=True)
     lines += ["", "## Top kernels of the FP8 rowwise steps", ""]
     for case in cases(args.dry_run, args.cases):
         prof = profiles.get((case.label, ROWWISE))
@@ -362,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fp8 / 2**20:.1f} MiB against {bf16 / 2**20:.1f} MiB")
             lines.append(_judged(line, ok, detail, args.dry_run))
         for config, name in GROUPED.items():
-            if not picked(config, args.configs):
+            if not picked(config, args.configs, OPT_IN):
                 continue
             prof = profiles.get((case.label, config))
             # A per-expert loop launches a GEMM per expert for each GEMM it loops over; its

@@ -153,3 +153,15 @@ def test_cuda_graph_rows_run_under_a_filter_only_when_it_names_them():
     assert picked(row, ["CUDA graphs"])
     assert picked("FP8 rowwise/scaled_mm", ["rowwise"])
     assert not picked("FP8 rowwise/scaled_mm", ["CUDA graphs"])
+
+
+def test_inductor_token_row_runs_under_a_filter_only_when_it_names_it():
+    """experts_fp8's comparison row (the token quantizes left to Inductor) is opt-in too: the MoE
+    stage's ``--configs rowwise torchao`` leaves it out, ``"Inductor token quantize"`` picks it."""
+    experts = _load_experts()
+    row = f"FP8 rowwise/scaled_mm, {experts.INDUCTOR_TOKEN_ROW}"
+    assert any(label == row for label, _ in experts.CONFIGS)
+    assert not experts.picked(row, ["rowwise", "torchao"], experts.OPT_IN)
+    assert experts.picked(row, ["Inductor token quantize"], experts.OPT_IN)
+    assert experts.picked("FP8 rowwise/scaled_mm", ["rowwise"], experts.OPT_IN)
+    assert experts.picked(row, None, experts.OPT_IN)
