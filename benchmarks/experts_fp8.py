@@ -76,10 +76,12 @@ def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[
 
 
 INDUCTOR_TOKENS = "inductor_token_quantize"  # a benchmark switch, not a graphpass option
-# Rows a --configs filter runs only where it names them: the launch-gap rows, and the Inductor
-# token quantize row (what the Triton kernels gain: measured, 1.5x to 2x on an H200)
+# Rows a --configs filter runs only where it names them: the launch-gap rows, the Inductor
+# token quantize row (what the Triton kernels gain: measured, 1.5x to 2x on an H200) and the
+# fast-accumulation row
 INDUCTOR_TOKEN_ROW = "Inductor token quantize"
-OPT_IN = (GRAPHS, INDUCTOR_TOKEN_ROW)
+FAST_ACCUMULATION = "fast accumulation"  # torchao's accumulation: opt-in, like for like
+OPT_IN = (GRAPHS, INDUCTOR_TOKEN_ROW, FAST_ACCUMULATION)
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
     ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
@@ -87,6 +89,10 @@ CONFIGS: list[tuple[str, dict[str, object]]] = [
     # of graphpass's Triton kernels (triton_grouped.py): what the kernels gain, in one run
     (f"FP8 rowwise/scaled_mm, {INDUCTOR_TOKEN_ROW}",
      {"fp8": "rowwise", "kernels": "scaled_mm", INDUCTOR_TOKENS: True}),
+    # every GEMM with fast accumulation, as torchao's MoE training runs them (graphpass's
+    # default is Transformer Engine's: fast for the forward GEMM, precise for dgrad and wgrad)
+    (f"FP8 rowwise/scaled_mm, {FAST_ACCUMULATION}", {"fp8": "rowwise", "kernels": "scaled_mm",
+                                                     "fp8_accumulate": "fast"}),
     ("FP8 tensorwise e4m3/scaled_mm", {"fp8": "tensorwise", "fp8_format": "e4m3",
                                        "kernels": "scaled_mm"}),
     ("FP8 tensorwise/scaled_mm", {"fp8": "tensorwise", "kernels": "scaled_mm"}),

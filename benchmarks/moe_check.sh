@@ -13,9 +13,10 @@
 #   1. kernels.log         the expert weights' and the token-grouped activations' quantizes:
 #                          Triton kernels against Inductor's code, and their tile sweeps (80 s)
 #   2. experts.md          16 DeepSeek-V3-shaped experts over 8,192 and 32,768 routed tokens:
-#                          bf16, FP8 rowwise, torchao's MoE FP8; 1 and 4 micro-batches (the
-#                          weight cache); kernel profiles, graphpass ops' host time, step peaks,
-#                          PASS/FAIL lines (10 rows)
+#                          bf16, FP8 rowwise (also with every GEMM's accumulation fast, as
+#                          torchao's), torchao's MoE FP8; 1 and 4 micro-batches (the weight
+#                          cache); kernel profiles, graphpass ops' host time, step peaks,
+#                          PASS/FAIL lines (12 rows)
 #   3. deepseek.md         the real-size DeepSeek-V3 layer, the same with 1 and 4 micro-batches
 #                          (4 rows)
 # pytest -m gpu of the Triton kernels needs a call of its own (their compiles take minutes):
@@ -27,9 +28,9 @@ out="${1:-moe_check}"
 source benchmarks/_gpu_stages.sh
 stage kernels 80 python3 benchmarks/quantize_kernels.py --sections grouped experts --sweep \
     --shapes 16x4096x7168 16x7168x2048 --grouped-shapes 8192x7168x16 32768x7168x16
-stage experts 170 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
-    --configs rowwise torchao --micro-batches 1 4 --out "$out/experts.md"
-stage deepseek 170 python3 benchmarks/experts_fp8.py --cases deepseek --configs rowwise \
+stage experts 190 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
+    --configs rowwise torchao "fast accumulation" --micro-batches 1 4 --out "$out/experts.md"
+stage deepseek 160 python3 benchmarks/experts_fp8.py --cases deepseek --configs rowwise \
     --micro-batches 1 4 --out "$out/deepseek.md"
 cat "$out/machine.txt" "$out/stages.txt"
 grep -hE "^\| (experts|DeepSeek)" "$out/experts.log" "$out/deepseek.log" 2>/dev/null

@@ -155,9 +155,10 @@ def test_cuda_graph_rows_run_under_a_filter_only_when_it_names_them():
     assert not picked("FP8 rowwise/scaled_mm", ["CUDA graphs"])
 
 
-def test_inductor_token_row_runs_under_a_filter_only_when_it_names_it():
-    """experts_fp8's comparison row (the token quantizes left to Inductor) is opt-in too: the MoE
-    stage's ``--configs rowwise torchao`` leaves it out, ``"Inductor token quantize"`` picks it."""
+def test_experts_comparison_rows_run_under_a_filter_only_when_it_names_them():
+    """experts_fp8's comparison rows (the token quantizes left to Inductor; every GEMM with fast
+    accumulation) are opt-in too: ``--configs rowwise torchao`` leaves them out, their own words
+    pick them."""
     experts = _load_experts()
     row = f"FP8 rowwise/scaled_mm, {experts.INDUCTOR_TOKEN_ROW}"
     assert any(label == row for label, _ in experts.CONFIGS)
@@ -165,3 +166,7 @@ def test_inductor_token_row_runs_under_a_filter_only_when_it_names_it():
     assert experts.picked(row, ["Inductor token quantize"], experts.OPT_IN)
     assert experts.picked("FP8 rowwise/scaled_mm", ["rowwise"], experts.OPT_IN)
     assert experts.picked(row, None, experts.OPT_IN)
+    fast = f"FP8 rowwise/scaled_mm, {experts.FAST_ACCUMULATION}"  # torchao's accumulation
+    assert dict(experts.CONFIGS)[fast]["fp8_accumulate"] == "fast"
+    assert not experts.picked(fast, ["rowwise"], experts.OPT_IN)
+    assert experts.picked(fast, ["rowwise", "fast accumulation"], experts.OPT_IN)
