@@ -14,7 +14,8 @@ not) and triton; no GPU, driver or CUDA runtime is touched. graphpass.plan parti
 example's forward and backward (on CPU fake tensors, as plan always does); each graph is then
 compiled by Inductor for an sm_90 device (the graphpass backend's own Inductor settings:
 the quantize inlining, exact division) into its CUDA wrapper, the Python code that allocates,
-frees and reuses every buffer of the step. That wrapper then runs on fake CUDA tensors with every
+frees and reuses every buffer of the step (the backward given the saved tensors AOTAutograd
+donates to it, as torch.compile does). That wrapper then runs on fake CUDA tensors with every
 Triton kernel a no-op, under torch's MemTracker: the allocations and frees are Inductor's own
 schedule for CUDA, not a model of it. The step peak above weights, inputs and gradients is what
 ``benchmarks/gpu_report.py`` measures as "step peak" with ``torch.cuda.max_memory_allocated``
@@ -34,8 +35,9 @@ What it leaves out: kernels' own workspaces (cuBLAS, cuDNN) and the caching allo
 rounding (blocks of 512 B, 2 MiB segments); the attention op is the one the CPU trace picks
 (``_scaled_dot_product_flash_attention_for_cpu``), whose saved outputs have the CUDA kernels'
 shapes (the output and a float32 logsumexp). Against an H200's measured step peaks (torch 2.11,
-docs/numbers.md): the GPT-3 layer in bf16 exact (239.93 MiB); the Llama-3-8B layer in bf16
-224 MiB over (one (8192, 14336) bf16 tensor), in FP8 tensorwise about 123 MiB under.
+docs/numbers.md): the GPT-3 and Llama-3-8B layers in bf16 exact (239.93 and 1,009.05 MiB), the
+DeepSeek-V3 layer in bf16 and FP8 rowwise within 0.1 MiB; the FP8 tensorwise Llama-3-8B and
+GPT-3 layers about 123 and 73 MiB under (not attributed: the workspaces above are candidates).
 """
 
 from __future__ import annotations
@@ -216,6 +218,31 @@ def _held(tracker: Any, which: str = "current") -> int:
     return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot(which).values())
 
 
+def _donated(fw: fx.GraphModule, bw: fx.GraphModule, saved_count: int) -> list[int]:
+    """The backward's donated inputs, as AOTAutograd computes them for torch.compile (with
+    ``torch._functorch.config.donated_buffer``, on by default): the saved tensors that alias no
+    forward input, user output or gradient, by torch's own check. Inductor may write a kernel's
+    result into one of them where it dies (on the H200, the SwiGLU backward's second output
+    went into a saved (8192, 14336) tensor: without the donation this run allocated a fifth
+    such tensor the GPU's step did not). None where a saved value is not a tensor (a SymInt:
+    AOTAutograd orders those apart)."""
+    from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
+
+    if not torch._functorch.config.donated_buffer:
+        return []
+
+    def vals(nodes) -> list:
+        return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
+
+    fw_outs = vals(fw.graph.find_nodes(op="output")[0].args[0])
+    user, saved = fw_outs[:len(fw_outs) - saved_count], fw_outs[len(fw_outs) - saved_count:]
+    if not all(isinstance(v, torch.Tensor) for v in saved):
+        return []
+    return collect_fw_donated_buffer_idxs(
+        vals(fw.graph.find_nodes(op="placeholder")), user,
+        vals(bw.graph.find_nodes(op="output")[0].args[0]), saved)
+
+
 def _cuda_fakes(gm: fx.GraphModule, mode: Any) -> list:
     """Fake tensors on ``cuda`` in ``mode`` like ``gm``'s placeholders (other inputs as they are),
     the inputs a GPU compiles the graph for."""
@@ -320,8 +347,12 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
         with inductor_config.patch(patches):
             forward = compile_fx_inner(_on_cuda(fw), fw_in)
             bw_in = _cuda_fakes(bw, mode)
-            backward = compile_fx_inner(_on_cuda(bw), bw_in, is_backward=True)
-        saved_count = len(bw_in) - tangent_count
+            saved_count = len(bw_in) - tangent_count
+            # the saved tensors AOTAutograd donates to the backward, which Inductor may write in
+            # place: torch.compile hands them over through its tracing context
+            with mock.patch("torch._inductor.graph.get_donated_idxs",
+                            lambda: _donated(fw, bw, saved_count)):
+                backward = compile_fx_inner(_on_cuda(bw), bw_in, is_backward=True)
         with mode:
             tracker = MemTracker()
             tracker.track_external(*[x for x in fw_in if isinstance(x, torch.Tensor)])
