@@ -186,16 +186,13 @@ def _interpreted_results(out: Path) -> None:
 
 
 def skip_without_interpreter() -> None:
-    """Skip where Triton's interpreter cannot run the kernels: no triton, or triton before 3.7
-    (3.6, torch 2.11's, turns a loop bound the kernels compute, ``range(a, tl.minimum(b, c))``,
-    into a one-element numpy array its ``__index__`` cannot convert under numpy 2: "only
-    0-dimensional arrays can be converted to Python scalars"; its compiler on the GPU takes
-    them)."""
-    triton = pytest.importorskip("triton")
-    version = tuple(int(v) for v in triton.__version__.split(".")[:2])
-    if version < (3, 7):
-        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run these kernels' "
-                    "computed loop bounds under numpy 2 (triton 3.7's can)")
+    """Skip where Triton's interpreter cannot run the kernels
+    (``triton_quantize.interpreter_unsupported``: no triton, or triton before 3.7)."""
+    from graphpass.fp8 import triton_quantize
+
+    why = triton_quantize.interpreter_unsupported()
+    if why is not None:
+        pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +298,24 @@ if __name__ == "__main__":  # the interpreter run: TRITON_INTERPRET=1 set by the
         except Exception as exc:  # reported per case, so one failure does not hide the rest
             results[case_id] = f"{type(exc).__name__}: {exc}"
     Path(sys.argv[1]).write_text(json.dumps(results, indent=1))
+
+
+def test_benchmark_dry_run_checks_the_kernels_or_says_why_not():
+    """``benchmarks/quantize_kernels.py --dry-run`` runs every section's kernels under the
+    interpreter against the torch code ("= eager" True on each row), or, where the interpreter
+    cannot run them (triton before 3.7), says so and exits 1 instead of failing inside triton."""
+    from graphpass.fp8 import triton_quantize
+
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_kernels.py"),
+                           "--dry-run"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    why = triton_quantize.interpreter_unsupported()
+    if why is not None:
+        assert proc.returncode == 1 and why in proc.stdout, proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "x" in line
+            and not line.startswith("| ---") and "kernels ms" not in line]
+    assert len(rows) == 8, proc.stdout  # 2 token-grouped shapes, 2 weights x 3 usages
+    assert all(line.rstrip(" |").endswith("True") for line in rows), proc.stdout

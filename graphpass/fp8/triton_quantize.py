@@ -334,6 +334,19 @@ def _interpreted() -> bool:
     return triton is not None and not isinstance(_cast_kernel, triton.runtime.JITFunction)
 
 
+def interpreter_unsupported() -> str | None:
+    """Why Triton's interpreter cannot run these kernels here, or None: triton before 3.7 (3.6,
+    torch 2.11's) turns a loop bound they compute, ``range(a, tl.minimum(b, c))``, into a
+    one-element numpy array whose ``__index__`` numpy 2 refuses ("only 0-dimensional arrays can
+    be converted to Python scalars"); its compiler on a GPU takes them."""
+    if triton is None:
+        return "triton is not installed"
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        return (f"triton {triton.__version__}'s interpreter cannot run these kernels' computed "
+                "loop bounds under numpy 2 (triton 3.7's can)")
+    return None
+
+
 def available(x: Tensor) -> str | None:
     """None when the kernels can run on ``x``: a CUDA tensor with triton importable, or any
     tensor with triton importable and ``TRITON_INTERPRET=1`` set (Triton's interpreter, on the
