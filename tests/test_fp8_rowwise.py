@@ -292,7 +292,9 @@ def test_token_groups_run_one_grouped_call_per_gemm(stored_kn, recipe, monkeypat
     assert sorted(grouped) == ["2d x 2d", "2d x 3d", "2d x 3d"] and not single
     assert [n for n in graphpass.last_report().notes if n.startswith("grouped gemms")] == [
         "grouped gemms: <root>: forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA "
-        "sm90+, its emulation on the CPU; one torch._scaled_mm per expert on older GPUs)"]
+        "sm90+, its emulation on the CPU; one torch._scaled_mm per expert on older GPUs); "
+        "accumulation: forward fast, dgrad precise, wgrad precise (fp8_accumulate='te'; 'fast' "
+        "for all three as torchao's MoE training)"]
     for r, g in zip(ref, got):
         assert torch.equal(r, g)
 
@@ -774,3 +776,20 @@ def test_experts_step_on_aligned_wgrad_operands_is_the_per_group_recipe(monkeypa
         assert sorted(grouped) == ["2d x 2d"] * 2 + ["2d x 3d"] * 4 and not single, codegen
         if codegen == "eager" or exact:
             assert all(torch.equal(a, b) for a, b in zip(got, want)), codegen
+
+
+def test_grouped_gemms_note_says_how_each_gemm_accumulates():
+    """The expert linears' note names each GEMM's accumulation and the option that changes it
+    (torchao's MoE training accumulates all three fast); blockwise, whose cuBLASLt kernel has
+    no fast mode with 128x128 scales, says nothing of it."""
+    from graphpass.fp8 import recipes
+    from graphpass.passes.lower_fp8 import _grouped_kernels
+
+    fast = recipes.from_options("rowwise", fp8_accumulate="fast")
+    assert _grouped_kernels(fast).endswith(
+        "accumulation: forward fast, dgrad fast, wgrad fast (fp8_accumulate='fast'; 'fast' for "
+        "all three as torchao's MoE training)")
+    precise = recipes.from_options("tensorwise", fp8_accumulate="precise")
+    assert "accumulation: forward precise, dgrad precise, wgrad precise" in _grouped_kernels(
+        precise)
+    assert "accumulation" not in _grouped_kernels(recipes.from_options("blockwise"))

@@ -233,13 +233,21 @@ def _grouped_kernels(recipe: recipes.Recipe) -> str:
     if recipe.scaling is recipes.Scaling.BLOCKWISE:
         return ("forward, dgrad and wgrad one blockwise torch scaled_mm per expert: torch has no "
                 "grouped blockwise FP8 GEMM")
+    # which GEMMs accumulate fast: torchao's MoE training runs all three fast (its grouped GEMMs
+    # took 14% less time than graphpass's under "te" on an H200, docs/numbers.md)
+    acc = recipe.accumulation
+    accumulation = (f"; accumulation: forward {acc['fprop']}, dgrad {acc['dgrad']}, wgrad "
+                    f"{acc['wgrad']} (fp8_accumulate={recipe.accumulate!r}; 'fast' for all three "
+                    "as torchao's MoE training)")
     if recipe.dtype("grad") == recipes.E4M3:
         return ("forward, dgrad and wgrad each one torch._scaled_grouped_mm (CUDA sm90+, its "
-                "emulation on the CPU; one torch._scaled_mm per expert on older GPUs)")
+                "emulation on the CPU; one torch._scaled_mm per expert on older GPUs)"
+                + accumulation)
     return ("forward one torch._scaled_grouped_mm (CUDA sm90+, its emulation on the CPU); dgrad "
             "and wgrad one torch._scaled_mm per expert: their gradient operand is E5M2 "
             "(tensorwise's HYBRID format), which the grouped kernel refuses (E4M3 only); "
-            "fp8_format='e4m3' or fp8='rowwise' runs all three as one grouped kernel each")
+            "fp8_format='e4m3' or fp8='rowwise' runs all three as one grouped kernel each"
+            + accumulation)
 
 
 def _weight_kernel(w: torch.Tensor) -> str:
