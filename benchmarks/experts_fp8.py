@@ -16,9 +16,9 @@ share, the GEMM launches and device copies per step (a per-expert loop shows as 
 GEMM launch per expert, judged; its copies are reported beside), its top kernels, and the host
 time of graphpass's graph ops (their CPU time under the profiler, with the allocations and
 kernel launches they make: where it approaches the kernel time, the step waits on the host).
-Where a
-``CUDA graphs`` row is picked, bf16 and FP8 rowwise run again under Inductor's CUDA graphs
-(``triton.cudagraphs``), the FP8 row against that bf16 row: the step without its launch gaps.
+Where a ``CUDA graphs`` row is picked, bf16 and FP8 rowwise run again under Inductor's CUDA
+graphs (``triton.cudagraphs``), the FP8 row against that bf16 row: the step without its launch
+gaps.
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes with Inductor replaced by eager code
 generation, so the script cannot rot between GPU runs; its numbers are CPU numbers, it counts
@@ -138,8 +138,9 @@ def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
             step()
         if cuda:
             torch.cuda.synchronize()
+    averages = prof.key_averages()
     if cuda:
-        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        events = [e for e in averages if e.self_device_time_total > 0]
         time = lambda e: e.self_device_time_total  # noqa: E731
         gemm = [e for e in events if is_gemm(e.key)]
         # copies as kernels: ATen's copy kernels and memcpys (a per-expert loop's writes of each
@@ -147,14 +148,14 @@ def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
         copies = [e for e in events if not e.key.startswith("triton") and any(
             k in e.key.lower() for k in ("direct_copy", "batchedcopy", "memcpy"))]
     else:
-        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        events = [e for e in averages if e.self_cpu_time_total > 0]
         time = lambda e: e.self_cpu_time_total  # noqa: E731
         # the CPU emulation of the grouped kernel loops over groups in aten::mm: count the graph's
         # FP8 GEMM ops and torch._scaled_mm calls (a per-group loop's) instead
         gemm = [e for e in events if e.key in ("graphpass::fp8_gemm", "aten::_scaled_mm")]
         copies = [e for e in events if e.key == "aten::index_copy_"]
     host = sorted(((e.cpu_time_total / steps / 1e3, e.count / steps, e.key)
-                   for e in prof.key_averages() if cuda and e.key.startswith("graphpass::")),
+                   for e in averages if cuda and e.key.startswith("graphpass::")),
                   reverse=True)
     events.sort(key=time, reverse=True)
     total = sum(time(e) for e in events) / steps / 1e3

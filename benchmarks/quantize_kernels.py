@@ -83,9 +83,9 @@ def main() -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("needs CUDA (or --dry-run)")
         return 1
-    if args.dry_run and tq.interpreter_unsupported():
-        print(f"--dry-run runs the kernels under Triton's interpreter: "
-              f"{tq.interpreter_unsupported()}")
+    why = tq.interpreter_unsupported() if args.dry_run else None
+    if why:
+        print(f"--dry-run runs the kernels under Triton's interpreter: {why}")
         return 1
     shapes = [tuple(int(d) for d in s.split("x"))
               for s in (args.shapes or (DRY_SHAPES if args.dry_run else DEFAULT_SHAPES))]

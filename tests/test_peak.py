@@ -440,7 +440,7 @@ def test_order_backward_on_a_gpu_says_inductor_may_not_keep_it(device):
     graph.output(x)
     bw = torch.fx.GraphModule(torch.nn.Module(), graph)
     bw.meta[min_cut._ORDERED] = [Moved(("sum_1",), ("norm",), "add", ("mlp",), 1)]
-    plan = Plan()
+    plan = Plan(primals=[x])
     min_cut._note_order(plan, (bw, bw))
     notes = [str(d) for d in plan.decisions]
     caveat = [n for n in notes if "may not keep this order" in n]
