@@ -127,6 +127,15 @@ class Profile:
         return sum(ms for ms, _, _ in self.host)
 
 
+def kernel_events(averages) -> list:
+    """The kernels of a profile recorded with CPU and CUDA activity: its device-side events.
+    A CPU op's self device time is that of the kernels it launched itself (a Triton launch
+    inside ``graphpass::quantize``, CUTLASS inside ``aten::_scaled_grouped_mm``): counting
+    those ops too would count their kernels twice."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e for e in averages if e.device_type == cuda and e.self_device_time_total > 0]
+
+
 def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
     """Kernel time and counts of ``steps`` calls of ``step`` (CUDA); on the CPU the graph ops'
     counts: FP8 GEMM ops and per-group ``_scaled_mm`` calls as GEMM launches, copies as copies."""
@@ -140,7 +149,7 @@ def profile(step, steps: int, device: torch.device, top: int = 12) -> Profile:
             torch.cuda.synchronize()
     averages = prof.key_averages()
     if cuda:
-        events = [e for e in averages if e.self_device_time_total > 0]
+        events = kernel_events(averages)
         time = lambda e: e.self_device_time_total  # noqa: E731
         gemm = [e for e in events if is_gemm(e.key)]
         # copies as kernels: ATen's copy kernels and memcpys (a per-expert loop's writes of each

@@ -172,3 +172,21 @@ def test_experts_comparison_rows_run_under_a_filter_only_when_it_names_them():
     assert dict(experts.CONFIGS)[fast]["fp8_accumulate"] == "fast"
     assert not experts.picked(fast, ["rowwise"], experts.OPT_IN)
     assert experts.picked(fast, ["rowwise", "fast accumulation"], experts.OPT_IN)
+
+
+def test_experts_kernel_time_counts_each_kernel_once():
+    """A profile recorded with CPU and CUDA activity gives a CPU op self device time for the
+    kernels it launched itself (``graphpass::quantize``'s Triton launches): the kernel time is
+    the device-side events' alone. (An H200 run summed both: 11.17 ms of "kernels" for a
+    7.97 ms step.)"""
+    from types import SimpleNamespace
+
+    experts = _load_experts()
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [SimpleNamespace(key="graphpass::quantize", device_type=cpu,
+                              self_device_time_total=300.0),
+              SimpleNamespace(key="_cast_kernel", device_type=cuda, self_device_time_total=200.0),
+              SimpleNamespace(key="_amax_kernel", device_type=cuda, self_device_time_total=100.0),
+              SimpleNamespace(key="aten::add_", device_type=cpu, self_device_time_total=0.0),
+              SimpleNamespace(key="idle", device_type=cuda, self_device_time_total=0.0)]
+    assert [e.key for e in experts.kernel_events(events)] == ["_cast_kernel", "_amax_kernel"]

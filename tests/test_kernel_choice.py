@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 import pytest
@@ -50,6 +51,49 @@ def healthy_te(monkeypatch):
 def fake_hopper(monkeypatch):
     """A CUDA device of capability 9.0 as far as the provider choice asks."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+class _RecordingTE(_BrokenTE):
+    """A TE whose import records the ``CUDNN_PATH`` it sees, then fails."""
+
+    seen: list = []
+
+    def exec_module(self, module):
+        self.seen.append(os.environ.get("CUDNN_PATH"))
+        raise OSError(_ERROR)
+
+
+@pytest.mark.parametrize("user_env", [None, "CUDNN_HOME", "CUDNN_PATH"])
+def test_te_imports_with_torchs_cudnn_unless_the_user_named_one(monkeypatch, user_env):
+    """TE loads cuDNN from ``CUDNN_HOME``/``CUDNN_PATH`` first, else the system's: graphpass
+    names torch's while TE imports (a second cuDNN broke TE's import on the H200 image), and
+    leaves a user's own setting and the environment afterwards as they were."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
+        monkeypatch.delitem(sys.modules, name)
+    recording = _RecordingTE()
+    recording.seen.clear()
+    monkeypatch.setattr(sys, "meta_path", [recording, *sys.meta_path])
+    monkeypatch.setattr(providers, "torch_cudnn_dir", lambda: "/torch/nvidia/cudnn/lib")
+    for name in ("CUDNN_HOME", "CUDNN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    if user_env:
+        monkeypatch.setenv(user_env, "/mine")
+    providers.te_status.cache_clear()
+    try:
+        assert not providers.te_available()
+    finally:
+        providers.te_status.cache_clear()
+    expected = {None: "/torch/nvidia/cudnn/lib", "CUDNN_HOME": None, "CUDNN_PATH": "/mine"}
+    assert recording.seen == [expected[user_env]]
+    assert os.environ.get("CUDNN_PATH") == ("/mine" if user_env == "CUDNN_PATH" else None)
+
+
+def test_torch_cudnn_dir_is_the_loaded_library_folder():
+    loaded = [line.split()[-1] for line in open("/proc/self/maps") if "/libcudnn.so." in line]
+    if not loaded:
+        assert providers.torch_cudnn_dir() is None
+        pytest.skip("this torch loaded no cuDNN (a CPU build)")
+    assert os.path.isfile(os.path.join(providers.torch_cudnn_dir(), os.path.basename(loaded[0])))
 
 
 def test_broken_te_is_told_apart_from_an_absent_one(broken_te):

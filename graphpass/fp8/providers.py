@@ -21,11 +21,13 @@ costs throughput. ``reference`` accumulates in fp32 in every mode: it models the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -417,6 +419,35 @@ class TEStatus:
         return "Transformer Engine not installed"
 
 
+def torch_cudnn_dir() -> str | None:
+    """The folder of the cuDNN library this process has loaded (torch's: on Linux, in
+    ``/proc/self/maps``), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libcudnn.so." in line}
+    except OSError:
+        return None
+    return os.path.dirname(min(paths)) if paths else None
+
+
+@contextlib.contextmanager
+def _te_finds_torch_cudnn() -> Iterator[None]:
+    """While TE imports: ``CUDNN_PATH`` names torch's cuDNN, unless the user set ``CUDNN_HOME``
+    or ``CUDNN_PATH``. TE loads ``libcudnn`` from those first, then from ``CUDA_HOME`` and the
+    system's library path. A second cuDNN beside torch's breaks TE's import once torch has used
+    cuDNN: on the H200 image the system's ``libcudnn_heuristic.so.9`` was bound to torch's
+    ``libcudnn_graph.so.9`` ("undefined symbol: _ZTVN5cudnn7backend12OperationSetE")."""
+    folder = torch_cudnn_dir()
+    if folder is None or "CUDNN_HOME" in os.environ or "CUDNN_PATH" in os.environ:
+        yield
+        return
+    os.environ["CUDNN_PATH"] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop("CUDNN_PATH", None)
+
+
 @functools.lru_cache(maxsize=None)
 def te_status() -> TEStatus:
     """Import ``transformer_engine.pytorch`` once. A broken install (a missing CUDA library, an
@@ -424,8 +455,9 @@ def te_status() -> TEStatus:
     apart from an absent one so that ``auto``'s fallback says which it was."""
     installed = importlib.util.find_spec("transformer_engine") is not None
     try:
-        import transformer_engine
-        import transformer_engine.pytorch  # noqa: F401
+        with _te_finds_torch_cudnn():
+            import transformer_engine
+            import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # noqa: BLE001  (any failure means: not usable here; say why)
         return TEStatus(None, f"{type(e).__name__}: {e}", installed)
     version = getattr(transformer_engine, "__version__", None)
