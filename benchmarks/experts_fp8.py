@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -300,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="micro-batches per optimizer step (gradient accumulation); above 1, "
                              "bf16 against FP8 rowwise with fp8_weight_cache, ms per micro-batch")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--tiles", type=Path, default=None,
+                        help="the quantize kernels' tile configurations to run with: the JSON "
+                             "`quantize_kernels.py --sweep --best-out` writes")
     parser.add_argument("--configs", nargs="+",
                         help="only the configs whose label contains one of these (bf16, the "
                              "baseline, always runs)")
@@ -308,13 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("experts_fp8.py: no CUDA device; run it on the GPU machine, or use "
                          "--dry-run to check the script on the CPU")
     device = torch.device("cpu" if args.dry_run else "cuda")
+    tiles = use_tiles(args.tiles) if args.tiles else ""
     codegen = "eager" if args.dry_run else "inductor"
     steps, warmup = (args.steps or 1, 1) if args.dry_run else (args.steps or 10, 3)
     where = ("DRY RUN on CPU: tiny sizes, eager codegen; NOT GPU numbers" if args.dry_run
              else f"GPU: {torch.cuda.get_device_name(device)}")
     lines = [f"# MoE experts: FP8 against bf16", "",
              f"{where}; torch {torch.__version__}; one training step (fw+bw), median of {steps} "
-             f"steps after {warmup} warm-up; speedup = bf16 median / this median, same run.", "",
+             f"steps after {warmup} warm-up; speedup = bf16 median / this median, same run."
+             + (f" Quantize kernels' tiles: {tiles}." if tiles else ""), "",
              "## Step time", "",
              "| case | config | median ms | vs bf16 | step peak MiB | kernel ms | GEMM ms "
              "| GEMM launches/step | copies/step | graphpass ops' host ms | note |",
@@ -417,6 +423,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(text)
     return 0
+
+
+def use_tiles(path: Path) -> str:
+    """Makes the tile configurations in ``path`` (``{"experts": {...}, "grouped": {...}}``,
+    changes to ``triton_quantize.KernelConfig`` and ``triton_grouped.GroupedKernelConfig``) the
+    kernels' defaults for this run; says which."""
+    from graphpass.fp8 import triton_grouped, triton_quantize
+
+    changes = json.loads(path.read_text())
+    unknown = set(changes) - {"experts", "grouped"}
+    if unknown:
+        raise SystemExit(f"experts_fp8.py --tiles: unknown kernel families {sorted(unknown)}")
+
+    def config(cls, change: dict):
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in change.items()})
+
+    triton_quantize.DEFAULT_CONFIG = config(triton_quantize.KernelConfig,
+                                            changes.get("experts", {}))
+    triton_grouped.DEFAULT_CONFIG = config(triton_grouped.GroupedKernelConfig,
+                                           changes.get("grouped", {}))
+    return f"expert weights {changes.get('experts') or 'default'}, token groups " \
+           f"{changes.get('grouped') or 'default'}"
 
 
 def _judged(line: str, ok: bool | None, detail: str, dry_run: bool) -> str:

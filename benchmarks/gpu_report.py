@@ -109,6 +109,9 @@ def step_configs(mode: Mode) -> list[tuple[str, dict[str, object] | None]]:
         (f"bf16, torch.compile default ({inductor})", None),
         ("graphpass bf16", {"fp8": None}),
         (f"graphpass FP8 tensorwise/{k}, default", {"fp8": "tensorwise", "kernels": k}),
+        # Transformer Engine's GEMMs beside torch's, where TE imports (else the row says why)
+        *([("graphpass FP8 tensorwise/te", {"fp8": "tensorwise", "kernels": "te"})]
+          if k != "te" else []),
         # the backward ordered for memory (off by default): what it changes on the GPU
         (f"graphpass FP8 tensorwise/{k}, order_backward=True",
          {"fp8": "tensorwise", "kernels": k, "order_backward": True}),

@@ -16,7 +16,10 @@ eager torch code's bit for bit ("-" above 2**30 elements, whose fp32 copies in t
 take tens of GB; plain ``torch.compile`` of the torch code gave other bits than eager on an
 H200 with torch 2.11, so it is no reference).
 ``--sweep`` also times tile configurations of the kernels on the first shape, each checked
-against the eager torch code, and the default configuration's amax and cast passes alone.
+against the eager torch code, and the default configuration's amax and cast passes alone;
+``--best-out FILE`` writes the fastest bit-identical configuration of each kernel family (least
+time summed over the usages timed) as JSON, for ``benchmarks/experts_fp8.py --tiles FILE`` to
+run the training steps with, in the same GPU call.
 ``--dry-run`` runs tiny shapes on the CPU under the interpreter, checks the kernels' outputs
 against the torch code's, and times nothing.
 
@@ -32,6 +35,7 @@ Measured on an H200 (torch 2.11, Triton 3.6), bf16, ms, kernels / Inductor:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -55,6 +59,8 @@ def parse_args() -> argparse.Namespace:
                    help="expert weights (experts), token-grouped activations (grouped)")
     p.add_argument("--recipe", default="rowwise", help="rowwise or rowwise_pow2")
     p.add_argument("--sweep", action="store_true", help="also time tile configurations")
+    p.add_argument("--best-out", type=Path, default=None,
+                   help="with --sweep: write each kernel family's fastest configuration here")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on the CPU under Triton's interpreter; no timing")
     return p.parse_args()
@@ -89,6 +95,7 @@ def main() -> int:
         return 1
     shapes = [tuple(int(d) for d in s.split("x"))
               for s in (args.shapes or (DRY_SHAPES if args.dry_run else DEFAULT_SHAPES))]
+    best: dict[str, dict] = {}
     if args.dry_run:
         bench = None
     else:
@@ -104,7 +111,8 @@ def main() -> int:
             args.grouped_shapes or (DRY_GROUPED_SHAPES if args.dry_run else GROUPED_SHAPES))]
         grouped(grouped_shapes, args.recipe, device, bench)
         if args.sweep and bench is not None:
-            grouped_sweep(grouped_shapes[0], args.recipe, bench)
+            best["grouped"] = grouped_sweep(grouped_shapes[0], args.recipe, bench)
+            write_best(args.best_out, best)
     if "experts" not in args.sections:
         return 0
     print(f"| shape | usage | kernels ms | GB/s | Inductor ms | GB/s | speed-up | = eager |")
@@ -130,8 +138,23 @@ def main() -> int:
         del x
         torch.cuda.empty_cache() if device == "cuda" else None
     if args.sweep and bench is not None:
-        sweep(shapes[0], args.recipe, bench)
+        best["experts"] = sweep(shapes[0], args.recipe, bench)
+        write_best(args.best_out, best)
     return 0
+
+
+def write_best(path: Path | None, best: dict[str, dict]) -> None:
+    """The fastest configurations found so far, as JSON (tuples as lists): written after each
+    sweep, so a stage cut by its timeout keeps the first."""
+    if path is not None:
+        path.write_text(json.dumps(best, indent=1) + "\n")
+        print(f"fastest configurations: {best} (written to {path})")
+
+
+def fastest(timed: list[tuple[float, dict]]) -> dict:
+    """The change to the defaults of least total time among ``timed`` (the bit-identical
+    configurations); the defaults where there is none."""
+    return min(timed, key=lambda row: row[0])[1] if timed else {}
 
 
 def print_row(row: str, ours, theirs, floor: int, same: str, bench) -> None:
@@ -203,10 +226,12 @@ GROUPED_SWEEP = [
     dict(cast_block=(32, 256), cast_warps=8),
     dict(cast_k_chunk=512),
     dict(amax_t_chunk=256),
+    dict(amax_t_chunk=32, cast_k_chunk=128),  # both passes one tile a program
+    dict(amax_t_chunk=64, cast_k_chunk=256, cast_warps=8),
 ]
 
 
-def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
+def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> dict:
     """Median times of tile configurations of the grouped kernels: both copies, and the
     columnwise copy alone (the wgrad operand of a layer's input, whose rowwise copy the forward
     made)."""
@@ -223,6 +248,7 @@ def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
     print(f"grouped tile configurations, {t}x{k}x{groups}:")
     print("| config | both ms | columnwise ms | identical |")
     print("| --- | ---: | ---: | --- |")
+    timed: list[tuple[float, dict]] = []
     for change in GROUPED_SWEEP:
         cfg = tg.GroupedKernelConfig(**change)
 
@@ -237,7 +263,10 @@ def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
             continue
         print(f"| {change or 'default'} | " + " | ".join(f"{ms:.3f}" for ms in times)
               + f" | {same} |")
+        if same:
+            timed.append((sum(times), change))
     print()
+    return fastest(timed)
 
 
 SWEEP = [
@@ -252,10 +281,14 @@ SWEEP = [
     dict(rows_block=(1, 2048)),
     dict(rows_block=(4, 1024)),
     dict(rows_block=(2, 2048), rows_warps=8),
+    # both passes one tile a program; with the rowwise kernel's strips wider
+    dict(amax_block=(32, 512), amax_n_chunk=32, cast_k_chunk=128),
+    dict(amax_block=(32, 512), amax_n_chunk=32, cast_k_chunk=128, rows_block=(4, 1024)),
+    dict(amax_block=(64, 256), amax_n_chunk=64, amax_warps=8, cast_k_chunk=128, cast_warps=8),
 ]
 
 
-def sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
+def sweep(shape: tuple[int, int, int], recipe: str, bench) -> dict:
     """Median times of tile configurations of the kernels (each usage), then of the default
     configuration's amax and cast passes alone."""
     import torch
@@ -270,6 +303,7 @@ def sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
     print(f"\ntile configurations, {'x'.join(map(str, shape))}:")
     print("| config | both ms | rowwise ms | columnwise ms | identical |")
     print("| --- | ---: | ---: | ---: | --- |")
+    timed: list[tuple[float, dict]] = []
     for change in SWEEP:
         cfg = tq.KernelConfig(**change)
 
@@ -284,6 +318,8 @@ def sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
             continue
         print(f"| {change or 'default'} | " + " | ".join(f"{t:.3f}" for t in times)
               + f" | {same} |")
+        if same:
+            timed.append((sum(times), change))
     del eager
     cfg = tq.DEFAULT_CONFIG
     xs = x.view(torch.int16)
@@ -300,6 +336,7 @@ def sweep(shape: tuple[int, int, int], recipe: str, bench) -> None:
         amax_epsilon=r.amax_epsilon, e5m2=False, cast="ptx", cfg=cfg)) for u in USAGES]
     print("| amax | " + " | ".join(f"{t:.3f}" for t in t_amax) + " |")
     print("| cast | " + " | ".join(f"{t:.3f}" for t in t_cast) + " |")
+    return fastest(timed)
 
 
 if __name__ == "__main__":

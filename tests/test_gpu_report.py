@@ -190,3 +190,29 @@ def test_experts_kernel_time_counts_each_kernel_once():
               SimpleNamespace(key="aten::add_", device_type=cpu, self_device_time_total=0.0),
               SimpleNamespace(key="idle", device_type=cuda, self_device_time_total=0.0)]
     assert [e.key for e in experts.kernel_events(events)] == ["_cast_kernel", "_amax_kernel"]
+
+
+def test_the_sweeps_fastest_tiles_run_the_experts_benchmark(tmp_path, monkeypatch):
+    """``quantize_kernels.py --sweep --best-out F`` writes each kernel family's fastest
+    bit-identical configuration; ``experts_fp8.py --tiles F`` makes them the kernels' defaults
+    (tuples come back from JSON as tuples)."""
+    from graphpass.fp8 import triton_grouped, triton_quantize
+
+    kernels = load("quantize_kernels")
+    experts = _load_experts()
+    assert kernels.fastest([]) == {}
+    best = {"experts": kernels.fastest([(2.0, {}), (1.5, {"amax_block": (32, 512),
+                                                          "amax_n_chunk": 32})]),
+            "grouped": kernels.fastest([(0.4, {}), (0.5, {"cast_k_chunk": 128})])}
+    path = tmp_path / "tiles.json"
+    kernels.write_best(path, best)
+    monkeypatch.setattr(triton_quantize, "DEFAULT_CONFIG", triton_quantize.DEFAULT_CONFIG)
+    monkeypatch.setattr(triton_grouped, "DEFAULT_CONFIG", triton_grouped.DEFAULT_CONFIG)
+    said = experts.use_tiles(path)
+    assert triton_quantize.DEFAULT_CONFIG == triton_quantize.KernelConfig(
+        amax_block=(32, 512), amax_n_chunk=32)
+    assert triton_grouped.DEFAULT_CONFIG == triton_grouped.GroupedKernelConfig()
+    assert "amax_n_chunk" in said and "token groups default" in said
+    path.write_text('{"weights": {}}')
+    with pytest.raises(SystemExit, match="unknown kernel families"):
+        experts.use_tiles(path)

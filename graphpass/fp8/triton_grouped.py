@@ -66,6 +66,7 @@ imported runs the kernels on the host, under Triton's interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -333,7 +334,7 @@ def quantize_groups_rowwise(
         got = _tq.quantize_experts_rowwise(
             x[None], fp8_dtype=fp8_dtype, fp8_max=fp8_max, power_2_scales=power_2_scales,
             amax_epsilon=amax_epsilon, rows=True, cols=False,
-            config=_tq.KernelConfig(cast=cast))
+            config=dataclasses.replace(_tq.DEFAULT_CONFIG, cast=cast))
         return [got[0][0], got[1][0]]
     xs = x.view(torch.int16) if x.dtype == torch.bfloat16 else x  # see _tq._load_f32
     bf16_bits = xs.dtype == torch.int16
