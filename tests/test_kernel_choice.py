@@ -96,6 +96,22 @@ def test_torch_cudnn_dir_is_the_loaded_library_folder():
     assert os.path.isfile(os.path.join(providers.torch_cudnn_dir(), os.path.basename(loaded[0])))
 
 
+def test_torchs_cudnn_libraries_load_each_after_those_it_needs(tmp_path):
+    """Before TE imports, torch's cuDNN libraries are loaded graph first (every other one needs
+    it), so a later load by name gets torch's copy; a file that does not load is left alone."""
+    (tmp_path / "libcudnn_graph.so.9").write_bytes(b"not a library")
+    assert providers._preload_cudnn(str(tmp_path)) == []
+    folder = providers.torch_cudnn_dir()
+    if folder is None:
+        pytest.skip("this torch loaded no cuDNN (a CPU build)")
+    loaded = providers._preload_cudnn(folder)
+    assert loaded and loaded[0] == "libcudnn_graph.so.9"
+    assert loaded == sorted(loaded, key=lambda n: providers._CUDNN_ORDER.index(
+        n.removeprefix("libcudnn_").removesuffix(".so.9")))
+    mapped = {line.split()[-1] for line in open("/proc/self/maps") if "/libcudnn_" in line}
+    assert {os.path.join(folder, n) for n in loaded} <= mapped
+
+
 def test_broken_te_is_told_apart_from_an_absent_one(broken_te):
     status = providers.te_status()
     assert status == providers.TEStatus(None, f"OSError: {_ERROR}", installed=True)

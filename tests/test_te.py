@@ -104,3 +104,34 @@ def test_te_grouped_gemm_operands_mean_the_reference(monkeypatch):
     # wgrad over zero-padded tokens: fp32 sums in another order, one bf16 ulp apart (or a few
     # fp32 ulps where they cancel to near 0: 1.9e-6 seen on torch 2.11)
     torch.testing.assert_close(got[2], ref[2], rtol=2**-7, atol=1e-5)
+
+
+_AFTER_CUDNN = """
+import torch, torch.nn.functional as F
+q = torch.randn(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
+with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+    F.scaled_dot_product_attention(q, q, q).sum().item()  # torch has used its cuDNN
+from graphpass.fp8 import providers
+status = providers.te_status()
+folders = sorted({line.split()[-1].rsplit("/", 1)[0] for line in open("/proc/self/maps")
+                  if "/libcudnn" in line})
+print(status.describe(), folders)
+assert status.version is not None, status.describe()
+assert len(folders) == 1, folders
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_te_imports_after_torch_used_cudnn_on_gpu():
+    """TE imported once torch has run cuDNN attention (a compile with ``kernels="te"`` after
+    bf16 steps, as the GPU report runs): it imports, and every cuDNN library in the process is
+    from one folder. On the H200 image, without graphpass pointing TE at torch's cuDNN, the
+    system's ``libcudnn_heuristic.so.9`` was loaded beside torch's ``libcudnn_graph.so.9`` and
+    the import failed. A fresh interpreter: this one has imported TE already."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _AFTER_CUDNN], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]

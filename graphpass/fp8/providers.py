@@ -430,17 +430,44 @@ def torch_cudnn_dir() -> str | None:
     return os.path.dirname(min(paths)) if paths else None
 
 
+# cuDNN 9's libraries, each after those it needs (libcudnn.so.9, torch's, is loaded already)
+_CUDNN_ORDER = ("graph", "engines_runtime_compiled", "engines_precompiled", "heuristic", "ops",
+                "cnn", "adv")
+
+
+def _preload_cudnn(folder: str) -> list[str]:
+    """Loads the cuDNN libraries of ``folder`` (torch's), each after those it needs, so that a
+    later load of one by name (``libcudnn_cnn.so.9``, from a library without torch's search
+    path) gets torch's copy, not another cuDNN's. Returns the names loaded (one that does not
+    load here, e.g. without a GPU driver, is left to load as before)."""
+    import ctypes
+
+    loaded = []
+    for part in _CUDNN_ORDER:
+        path = os.path.join(folder, f"libcudnn_{part}.so.9")
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            loaded.append(os.path.basename(path))
+    return loaded
+
+
 @contextlib.contextmanager
 def _te_finds_torch_cudnn() -> Iterator[None]:
     """While TE imports: ``CUDNN_PATH`` names torch's cuDNN, unless the user set ``CUDNN_HOME``
-    or ``CUDNN_PATH``. TE loads ``libcudnn`` from those first, then from ``CUDA_HOME`` and the
-    system's library path. A second cuDNN beside torch's breaks TE's import once torch has used
-    cuDNN: on the H200 image the system's ``libcudnn_heuristic.so.9`` was bound to torch's
-    ``libcudnn_graph.so.9`` ("undefined symbol: _ZTVN5cudnn7backend12OperationSetE")."""
+    or ``CUDNN_PATH``, and torch's cuDNN libraries loaded first (``_preload_cudnn``). TE loads
+    ``libcudnn`` from those variables first, then from ``CUDA_HOME`` and the system's library
+    path. A second cuDNN beside torch's breaks TE's import once torch has used cuDNN: on the
+    H200 image the system's ``libcudnn_heuristic.so.9`` was bound to torch's
+    ``libcudnn_graph.so.9`` ("undefined symbol: _ZTVN5cudnn7backend12OperationSetE"); with
+    ``CUDNN_PATH`` alone, the system's ``libcudnn_cnn.so.9`` was."""
     folder = torch_cudnn_dir()
     if folder is None or "CUDNN_HOME" in os.environ or "CUDNN_PATH" in os.environ:
         yield
         return
+    _preload_cudnn(folder)
     os.environ["CUDNN_PATH"] = folder
     try:
         yield
