@@ -92,8 +92,9 @@ _USAGES = {"rowwise": (True, False), "columnwise": (False, True), "both": (True,
 @dataclass(frozen=True)
 class GroupedKernelConfig:
     """Tile shapes and launch settings of the grouped kernels (powers of two). The cast tile:
-    both copies of (8192, 7168) bf16 tokens in 16 groups took 0.260 ms with (32, 128) against
-    0.316 with (64, 128) on an H200 (``benchmarks/quantize_kernels.py --sweep``, one run).
+    both copies of (8192, 7168) bf16 tokens in 16 groups took 0.238 ms with (16, 128) against
+    0.258 with (32, 128) and 0.313 with (64, 128) on an H200 (``benchmarks/quantize_kernels.py
+    --sweep``, one run; the columnwise copy alone 0.201 against 0.219 and 0.244 ms).
 
     ``amax_block``: the (rows, columns) tile the amax pass reads at a time; ``amax_t_chunk``:
     the rows one amax program walks down (its groups' column maxima stay in registers: one
@@ -102,13 +103,14 @@ class GroupedKernelConfig:
     transposed store. ``cast_k_chunk``: the columns of x one cast program walks along (a
     multiple of ``cast_block[1]``). ``cast``: ``"ptx"``, ``"soft"`` or None, as
     ``triton_quantize.KernelConfig.cast``. The rowwise copy alone runs
-    ``triton_quantize``'s rowwise kernel with its default tiles.
+    ``triton_quantize``'s rowwise kernel with its default tiles
+    (``triton_quantize.DEFAULT_CONFIG``).
     """
 
     amax_block: tuple[int, int] = (32, 512)
     amax_t_chunk: int = 512
     amax_warps: int = 4
-    cast_block: tuple[int, int] = (32, 128)
+    cast_block: tuple[int, int] = (16, 128)
     cast_k_chunk: int = 1024
     cast_warps: int = 4
     cast: str | None = None
