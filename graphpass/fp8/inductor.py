@@ -15,8 +15,11 @@ block or 128x128 tile (``_fused_blockwise``). Quantizes over token groups (offse
 GEMM's operands) are device ops without a host sync (each token's group, or its block within
 the group, from the offsets; rowwise's per-(group, column) amaxes reduced over row chunks, the
 tensorwise groups' and the blockwise blocks' amaxes one scatter-max), so they are inlined too.
-Two rowwise quantizes stay one op on CUDA, run by graphpass's Triton kernels: the expert weights'
-(``triton_weight_quantize``) and the token groups' (``triton_group_quantize``). Every mxfp8
+Two rowwise quantizes run graphpass's Triton kernels on CUDA instead of Inductor's fusion: the
+expert weights' (``triton_weight_quantize``) and the token groups' (``triton_group_quantize``).
+They are inlined too, as the op's own code traced with each kernel launch a
+``torch.library.wrap_triton`` one (``_traced_launches``): Inductor compiles the kernels as user
+kernels and its code launches them, with no call of the op on the host each step. Every mxfp8
 quantize stays one op (``fusion_notes`` says so in the report).
 
 Numerics. Fusing is a speed decision, held to a bound, not to the opaque op's bits: each
@@ -46,7 +49,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..decisions import Decision, What
-from . import ops, recipes, replacements
+from . import ops, recipes, replacements, triton_quantize
 
 INLINED = (recipes.Scaling.TENSORWISE, recipes.Scaling.ROWWISE, recipes.Scaling.BLOCKWISE)
 INLINED_RECIPES = tuple(s.value for s in INLINED)  # their names, as the notes say them
@@ -107,7 +110,43 @@ def _patterns() -> Any:
             lambda x, offs: ops.groups_torch(_stored(x), recipe, role, usage, offs), [x, offs],
             trace_fn=replacements.tracer(("groups", recipe, role, usage)))
 
+    # The quantizes graphpass's Triton kernels run: the op's own code traced with the kernels'
+    # launches as Inductor's (triton_quantize.inductor_launches), so the compiled graph launches
+    # them itself, with no call of the op (its dispatch, checks and Triton's launcher on the
+    # host each step)
+    @pm.register_graph_pattern(
+        pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
+                        pm.KeywordArg("role"), pm.KeywordArg("usage")),
+        extra_check=lambda match: triton_weight_quantize(match.output_node()),
+        pass_dict=patterns,
+    )
+    def _launch_weights(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
+        match.replace_by_example(lambda x: ops._quantize(x, recipe, role, usage), [x],
+                                 trace_fn=_traced_launches)
+
+    @pm.register_graph_pattern(
+        pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
+                        pm.KeywordArg("role"), pm.KeywordArg("usage"), pm.KeywordArg("offs")),
+        extra_check=lambda match: triton_group_quantize(match.output_node()),
+        pass_dict=patterns,
+    )
+    def _launch_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
+                       offs: fx.Node) -> None:
+        match.replace_by_example(
+            lambda x, offs: ops._quantize(x, recipe, role, usage, offs), [x, offs],
+            trace_fn=_traced_launches)
+
     return patterns
+
+
+def _traced_launches(fn: Any, args: Any) -> fx.GraphModule:
+    """``fn`` (a quantize on graphpass's Triton kernels) traced with each launch a
+    ``torch.library.wrap_triton`` one, functionalized: each kernel one functional launch whose
+    results are the buffers it writes (Inductor's reinplacing then writes them in place, and
+    its code launches the kernel itself)."""
+    fwd_only = _compat.inductor_pattern_matcher().fwd_only
+    with triton_quantize.inductor_launches():
+        return fwd_only(torch.func.functionalize(fn, remove="mutations"), args)
 
 
 _OPAQUE: contextvars.ContextVar[bool] = contextvars.ContextVar("graphpass_opaque_quantizes",
@@ -147,10 +186,11 @@ def computes_input_in_loops(node: fx.Node) -> bool:
 
 def triton_weight_quantize(node: fx.Node) -> bool:
     """Whether ``node`` (a ``graphpass::quantize``) is a rowwise quantize of 3-D expert weights
-    that graphpass's Triton kernels run (``ops.uses_triton_weight_kernel``): left as the op, not
-    inlined. The kernels read the weights for both copies' amaxes once, where Inductor's code
-    reads them once per copy, and give the op's bits, so a weight's copies are the same whether
-    the weight cache (``fp8_weight_cache``) holds them or each step quantizes them."""
+    that graphpass's Triton kernels run (``ops.uses_triton_weight_kernel``): not inlined as the
+    recipe's torch code, but as the kernels' launches (``_traced_launches``). The kernels read
+    the weights for both copies' amaxes once, where Inductor's code reads them once per copy,
+    and give the op's bits, so a weight's copies are the same whether the weight cache
+    (``fp8_weight_cache``) holds them or each step quantizes them."""
     x = node.args[0]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     return (isinstance(val, torch.Tensor) and recipes.get_recipe(node.args[1]).per_row
@@ -159,10 +199,11 @@ def triton_weight_quantize(node: fx.Node) -> bool:
 
 def triton_group_quantize(node: fx.Node) -> bool:
     """Whether ``node`` (a ``graphpass::quantize`` over token groups) is one that graphpass's
-    Triton kernels run (``ops.uses_triton_group_kernel``: rowwise, on CUDA): left as the op, not
-    inlined. The kernels read the tokens twice for both copies and write the columnwise one
-    straight into the 16-aligned layout; Inductor's code of the recipe reads them about four
-    times, its transposed stores strided."""
+    Triton kernels run (``ops.uses_triton_group_kernel``: rowwise, on CUDA): not inlined as the
+    recipe's torch code, but as the kernels' launches (``_traced_launches``). The kernels read
+    the tokens twice for both copies and write the columnwise one straight into the 16-aligned
+    layout; Inductor's code of the recipe reads them about four times, its transposed stores
+    strided."""
     x, offs = node.args[0], node.args[4]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     offs_val = offs.meta.get("val") if isinstance(offs, fx.Node) else None

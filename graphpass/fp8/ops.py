@@ -237,8 +237,8 @@ def _quantize_groups_tensorwise(x: Tensor, recipe: str, role: str, columnwise: b
 def _quantize_experts_rowwise(x: Tensor, recipe: str, role: str, usage: str) -> list[Tensor]:
     """Rowwise (G, N, K) expert weights: ``experts_rowwise_torch``'s bits. On CUDA with triton,
     graphpass's Triton kernels (``triton_quantize``: both copies' amaxes from one read of the
-    weights), which Inductor leaves as this op (``inductor.triton_weight_quantize``): on an H200
-    1.09x Inductor's fused code for both copies of a (16, 4096, 7168) weight, 1.10x for a
+    weights), which Inductor's code launches itself (``inductor.triton_weight_quantize``): on an
+    H200 1.09x Inductor's fused code for both copies of a (16, 4096, 7168) weight, 1.10x for a
     (256, 4096, 7168) one, level for a columnwise copy alone (``benchmarks/quantize_kernels.py``,
     docs/numbers.md)."""
     if uses_triton_weight_kernel(x):

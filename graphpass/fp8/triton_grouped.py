@@ -137,6 +137,7 @@ if triton is not None:
     _fp8_bits = _tq._fp8_bits
     _load_f32 = _tq._load_f32
     _abs_no_nan = _tq._abs_no_nan
+    _as_f32 = _tq._as_f32
 
     @triton.jit
     def _amax_kernel(x_ptr, offs_ptr, row_amax_ptr, col_amax_ptr, T, K, G, T_CHUNK,
@@ -186,6 +187,7 @@ if triton is not None:
         """BLOCK_P columns of the aligned layout over K_CHUNK columns of x: the columnwise copy
         of those columns (padding as zero bytes) and, if ROWS, the rowwise copy of their rows
         (the columns past the last group's aligned end holding the rows past offs[-1])."""
+        FP8_MAX, EPS = _as_f32(FP8_MAX), _as_f32(EPS)
         pid_k = tl.program_id(0)
         pid_p = tl.program_id(1)
         gi = tl.arange(0, G_PAD)
@@ -334,10 +336,10 @@ def quantize_groups_rowwise(
     cast = _tq._cast_mode(x, cfg)
     if not cols:  # one kernel: each strip of rows read for its amaxes, then again from cache
         got = _tq.quantize_experts_rowwise(
-            x[None], fp8_dtype=fp8_dtype, fp8_max=fp8_max, power_2_scales=power_2_scales,
+            x.unsqueeze(0), fp8_dtype=fp8_dtype, fp8_max=fp8_max, power_2_scales=power_2_scales,
             amax_epsilon=amax_epsilon, rows=True, cols=False,
             config=dataclasses.replace(_tq.DEFAULT_CONFIG, cast=cast))
-        return [got[0][0], got[1][0]]
+        return [got[0].squeeze(0), got[1].squeeze(0)]  # methods, not indexing: see ops
     xs = x.view(torch.int16) if x.dtype == torch.bfloat16 else x  # see _tq._load_f32
     bf16_bits = xs.dtype == torch.int16
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -345,7 +347,7 @@ def quantize_groups_rowwise(
     col_amax = torch.zeros((groups, k), **i32)
     g_pad = max(16, triton.next_power_of_2(groups))  # the groups' ends, in registers
     bt, bk = cfg.amax_block
-    _amax_kernel[(triton.cdiv(k, bk), triton.cdiv(t, cfg.amax_t_chunk))](
+    _tq.launched(_amax_kernel)[(triton.cdiv(k, bk), triton.cdiv(t, cfg.amax_t_chunk))](
         xs, offs, row_amax, col_amax, t, k, groups, cfg.amax_t_chunk, ROWS=rows,
         BF16_BITS=bf16_bits, BLOCK_T=bt, BLOCK_K=bk, G_PAD=g_pad, num_warps=cfg.amax_warps,
         **_tq._launch_options())
@@ -354,7 +356,7 @@ def quantize_groups_rowwise(
     qt, st = out[-2].view(torch.uint8), out[-1]
     p = qt.shape[1]
     bp, bk = cfg.cast_block
-    _cast_kernel[(triton.cdiv(k, cfg.cast_k_chunk), triton.cdiv(p, bp))](
+    _tq.launched(_cast_kernel)[(triton.cdiv(k, cfg.cast_k_chunk), triton.cdiv(p, bp))](
         xs, offs, row_amax, col_amax, q, s, qt, st, t, k, groups, p, cfg.cast_k_chunk,
         float(fp8_max), float(amax_epsilon), ROWS=rows, POW2=bool(power_2_scales),
         E5M2=fp8_dtype == recipes.E5M2, CAST=cast, BF16_BITS=bf16_bits, BLOCK_P=bp, BLOCK_K=bk,

@@ -81,8 +81,10 @@ about a seventh of it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -156,6 +158,13 @@ except ImportError:  # the kernels are optional: available() says why they canno
     triton = None
 
 if triton is not None:
+
+    @triton.jit
+    def _as_f32(v):
+        """A float argument as fp32: Triton's launcher passes a Python float as fp32, Inductor's
+        launch of the same kernel (``inductor_launches``) as fp64; fp64 arithmetic would round
+        the scales differently."""
+        return tl.cast(v, tl.float32)
 
     @triton.jit
     def _scales(amax, FP8_MAX, EPS, POW2: tl.constexpr):
@@ -272,6 +281,7 @@ if triton is not None:
         """The rowwise and/or (transposed) columnwise copies of BLOCK_N rows over K_CHUNK
         columns, a tile at a time, and the scale_inv of those rows (programs of the first
         chunk) and columns (programs of the first rows)."""
+        FP8_MAX, EPS = _as_f32(FP8_MAX), _as_f32(EPS)
         pid_k = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.program_id(2).to(tl.int64)
@@ -309,6 +319,7 @@ if triton is not None:
                      BF16_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The rowwise copy alone: a program owns BLOCK_N whole rows, reads them once for their
         amaxes and again (from cache, just read) for the cast."""
+        FP8_MAX, EPS = _as_f32(FP8_MAX), _as_f32(EPS)
         pid_n = tl.program_id(0)
         e = tl.program_id(1).to(tl.int64)
         x_ptr += e * N * K
@@ -329,6 +340,34 @@ if triton is not None:
             x = _load_f32(x_ptr + n[:, None] * K + k[None, :], mask, BF16_BITS)
             tl.store(q_ptr + n[:, None] * K + k[None, :],
                      _fp8_bits(x, scale[:, None], FP8_MAX, E5M2, CAST), mask=mask)
+
+
+_INDUCTOR_LAUNCHES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "graphpass_triton_inductor_launches", default=False)
+
+
+@contextlib.contextmanager
+def inductor_launches() -> Iterator[None]:
+    """Within it, the kernels launch through ``torch.library.wrap_triton``: traced (by
+    ``fp8/inductor.py``'s quantize inlining, on fake tensors) they become Inductor's own
+    launches of the same kernels in the compiled graph's code, not a call of the graph op from
+    it. The host side of a launch (the op's dispatch and checks, Triton's launcher) then costs
+    what Inductor's generated code costs. Inductor compiles a user kernel with floating-point
+    contraction allowed, where these launches ask for none: for sm_90 every kernel variant's
+    machine code is the same either way (``tests/test_triton_compile.py``), so the bits are."""
+    token = _INDUCTOR_LAUNCHES.set(True)
+    try:
+        yield
+    finally:
+        _INDUCTOR_LAUNCHES.reset(token)
+
+
+def launched(kernel):
+    """``kernel`` as the quantize functions launch it: itself, or under ``inductor_launches``
+    wrapped by ``torch.library.wrap_triton``."""
+    if _INDUCTOR_LAUNCHES.get():
+        return torch.library.wrap_triton(kernel)
+    return kernel
 
 
 def _interpreted() -> bool:
@@ -411,8 +450,9 @@ def _cast_mode(x: Tensor, cfg: KernelConfig) -> str:
 
 
 def _launch_options() -> dict:
-    # no multiply-add contraction (there is nothing to contract; this keeps it so)
-    return {} if _interpreted() else {"enable_fp_fusion": False}
+    # no multiply-add contraction (there is nothing to contract; this keeps it so); Inductor's
+    # launches take no such option (see inductor_launches)
+    return {} if _interpreted() or _INDUCTOR_LAUNCHES.get() else {"enable_fp_fusion": False}
 
 
 def _amax_pass(xs: Tensor, rows: bool, cols: bool, cfg: KernelConfig
@@ -424,7 +464,7 @@ def _amax_pass(xs: Tensor, rows: bool, cols: bool, cfg: KernelConfig
     row_amax = torch.zeros((e, n), **i32) if rows else None
     col_amax = torch.zeros((e, k), **i32) if cols else None
     bn, bk = cfg.amax_block
-    _amax_kernel[(triton.cdiv(k, bk), triton.cdiv(n, cfg.amax_n_chunk), e)](
+    launched(_amax_kernel)[(triton.cdiv(k, bk), triton.cdiv(n, cfg.amax_n_chunk), e)](
         xs, row_amax, col_amax, n, k, cfg.amax_n_chunk, ROWS=rows, COLS=cols,
         BF16_BITS=xs.dtype == torch.int16, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.amax_warps,
         **_launch_options())
@@ -440,7 +480,7 @@ def _cast_pass(xs: Tensor, row_amax: Tensor | None, col_amax: Tensor | None, out
     q, s = (out[0].view(torch.uint8), out[1]) if rows else (None, None)
     qt, st = (out[-2].view(torch.uint8), out[-1]) if cols else (None, None)
     bn, bk = cfg.cast_block
-    _cast_kernel[(triton.cdiv(k, cfg.cast_k_chunk), triton.cdiv(n, bn), e)](
+    launched(_cast_kernel)[(triton.cdiv(k, cfg.cast_k_chunk), triton.cdiv(n, bn), e)](
         xs, row_amax, col_amax, q, s, qt, st, n, k, cfg.cast_k_chunk, float(fp8_max),
         float(amax_epsilon),
         ROWS=rows, COLS=cols, POW2=bool(power_2_scales), E5M2=e5m2, CAST=cast,
@@ -487,8 +527,9 @@ def quantize_experts_rowwise(
     if x.numel() == 0:
         return _empty_outputs(x, fp8_dtype, rows, cols)
     cfg = config or DEFAULT_CONFIG
-    # Triton launches on the current CUDA device: make it x's
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    # Triton launches on the current CUDA device: make it x's (Inductor's code does, traced)
+    with torch.cuda.device(x.device) if x.is_cuda and not _INDUCTOR_LAUNCHES.get() \
+            else contextlib.nullcontext():
         return _quantize(x, fp8_dtype=fp8_dtype, fp8_max=fp8_max, power_2_scales=power_2_scales,
                          amax_epsilon=amax_epsilon, rows=rows, cols=cols, cfg=cfg)
 
@@ -503,7 +544,7 @@ def _quantize(x: Tensor, *, fp8_dtype: torch.dtype, fp8_max: float, power_2_scal
     if rows and not cols and cfg.fuse_rows:
         e, n, k = x.shape
         bn, bk = cfg.rows_block
-        _rows_kernel[(triton.cdiv(n, bn), e)](
+        launched(_rows_kernel)[(triton.cdiv(n, bn), e)](
             xs, out[0].view(torch.uint8), out[1], n, k, float(fp8_max), float(amax_epsilon),
             POW2=bool(power_2_scales), E5M2=e5m2, CAST=cast, BF16_BITS=xs.dtype == torch.int16,
             BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.rows_warps, **_launch_options())
