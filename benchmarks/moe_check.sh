@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MoE checks that fit one GPU call (one H100 or H200): at most 430 s of commands, each
+# The MoE checks that fit one GPU call (one H100 or H200): at most 440 s of commands, each
 # stage under its own timeout, so that a stage that hangs or fails leaves the others' results
 # (each stage prints its rows as they come: a stage cut by its timeout keeps what it printed).
 # From the repository root on the GPU machine:
@@ -10,24 +10,28 @@
 # (`pip download --no-deps torchao==0.17.0 -d .whl` on a machine with network). Stages, with
 # the time they took on an H200 (each config compiles: about 14 s a row for the experts, 40 s
 # for the DeepSeek-V3 layer):
-#   1. kernels.log         the expert weights' and the token-grouped activations' quantizes:
-#                          Triton kernels against Inductor's code, and their tile sweeps (80 s)
+#   1. exactness.log       pytest -m gpu of the weight cache and the FP8 experts: cached and
+#                          uncached steps bit-identical on CUDA, which compares the quantize
+#                          kernels' launches from Inductor's code with the op's own (90 s)
 #   2. experts.md          16 DeepSeek-V3-shaped experts over 8,192 and 32,768 routed tokens:
 #                          bf16, FP8 rowwise (also with every GEMM's accumulation fast, as
 #                          torchao's), torchao's MoE FP8; 1 and 4 micro-batches (the weight
 #                          cache); kernel profiles, graphpass ops' host time, step peaks,
-#                          PASS/FAIL lines (12 rows)
+#                          PASS/FAIL lines (12 rows, about 160 s)
 #   3. deepseek.md         the real-size DeepSeek-V3 layer, the same with 1 and 4 micro-batches
 #                          (4 rows)
-# pytest -m gpu of the Triton kernels needs a call of its own (their compiles take minutes):
+# The quantize kernels' tile sweep (`python3 benchmarks/quantize_kernels.py --sections grouped
+# experts --sweep --shapes 16x4096x7168 --grouped-shapes 8192x7168x16 --best-out tiles.json`,
+# about 60 s; `experts_fp8.py --tiles tiles.json` runs with its choice) and pytest -m gpu of the
+# Triton kernels themselves (their compiles take minutes) need calls of their own:
 #   python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_grouped.py \
-#       tests/test_weight_cache.py tests/test_fp8_experts.py tests/test_triton_quantize.py
+#       tests/test_triton_quantize.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-moe_check}"
 source benchmarks/_gpu_stages.sh
-stage kernels 80 python3 benchmarks/quantize_kernels.py --sections grouped experts --sweep \
-    --shapes 16x4096x7168 16x7168x2048 --grouped-shapes 8192x7168x16 32768x7168x16
+stage exactness 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_cache.py \
+    tests/test_fp8_experts.py
 stage experts 190 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
     --configs rowwise torchao "fast accumulation" --micro-batches 1 4 --out "$out/experts.md"
 stage deepseek 160 python3 benchmarks/experts_fp8.py --cases deepseek --configs rowwise \
@@ -35,4 +39,4 @@ stage deepseek 160 python3 benchmarks/experts_fp8.py --cases deepseek --configs 
 cat "$out/machine.txt" "$out/stages.txt"
 grep -hE "^\| (experts|DeepSeek)" "$out/experts.log" "$out/deepseek.log" 2>/dev/null
 grep -hE "^- " "$out/experts.md" "$out/deepseek.md" 2>/dev/null
-tail -n 3 "$out/kernels.log"
+tail -n 3 "$out/exactness.log"
