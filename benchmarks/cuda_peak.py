@@ -121,10 +121,38 @@ class _Allocations:
         return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
 
 
+def _restrided(input_tensor, stride):
+    """``prims.inductor_force_stride_order``'s fake value without its ``Tensor.copy_``, which asks
+    the CUDA driver for a fake CUDA tensor's device (there is none here); the value is a tensor
+    of the requested strides either way."""
+    return input_tensor.clone().as_strided(input_tensor.shape, stride)
+
+
+@contextlib.contextmanager
+def _fake_friendly_force_stride() -> Any:
+    from torch._inductor import inductor_prims
+
+    force = inductor_prims.eager_force_stride  # the prim's fake implementation calls it
+    code = force.__code__
+    force.__code__ = _restrided.__code__
+    try:
+        yield
+    finally:
+        force.__code__ = code
+
+
+def _scaled_mm_into(*args: Any, out: Any = None, **kwargs: Any) -> Any:
+    """``extern_kernels._scaled_mm`` on fake tensors: torch has no fake ``_scaled_mm.out``; the
+    wrapper allocated ``out`` already, which is all the memory accounting needs."""
+    return out if out is not None else torch.ops.aten._scaled_mm.default(*args, **kwargs)
+
+
 def _sm90_patches(allocations: _Allocations) -> list:
     """What lets Inductor generate and run its CUDA code without a GPU: an sm_90 device's
-    properties, no CUDA runtime calls, every Triton kernel a no-op."""
+    properties, no CUDA runtime calls, every Triton kernel a no-op, fake-friendly forms of the
+    two ops Inductor's code of the inlined FP8 GEMMs calls that have none."""
     from torch._inductor.runtime.hints import DeviceProperties
+    from torch._inductor.select_algorithm import extern_kernels
 
     device = DeviceProperties(type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
                               regs_per_multiprocessor=65536,
@@ -162,6 +190,8 @@ def _sm90_patches(allocations: _Allocations) -> list:
                    lambda t, size, stride, offset=0: t.as_strided(
                        size, stride, t.storage_offset() + offset)),
         mock.patch("torch._C._cuda_getCurrentRawStream", lambda d: 0),
+        mock.patch.object(extern_kernels, "_scaled_mm", _scaled_mm_into, create=True),
+        _fake_friendly_force_stride(),
     ]
 
 

@@ -1,4 +1,5 @@
-"""On a GPU, Inductor's code launches graphpass's Triton quantize kernels itself.
+"""On a GPU, Inductor's code runs graphpass's FP8 ops itself: the Triton quantize kernels as its
+user kernels, torch's FP8 GEMMs as its extern calls.
 
 The expert weights' and the token groups' rowwise quantizes run graphpass's Triton kernels
 (``fp8/triton_quantize.py``, ``fp8/triton_grouped.py``). Left as the graph op, every call costs
@@ -6,7 +7,11 @@ the op's dispatch, its checks and Triton's launcher on the host: on an H200 the 
 experts step took 7.60 ms for 5.54 ms of kernels, graphpass's ops about 4.7 to 6.7 ms of host
 time a step under the profiler. ``fp8/inductor.py``'s quantize inlining traces the op's code with
 each launch a ``torch.library.wrap_triton`` one, so Inductor compiles the kernels as its own
-user kernels and its wrapper launches them, the outputs allocated and written in place.
+user kernels and its wrapper launches them, the outputs allocated and written in place. The FP8
+GEMMs of ``kernels="scaled_mm"`` are inlined the same way, as the op's code: ``torch._scaled_mm``
+and ``torch._scaled_grouped_mm`` become Inductor's extern calls, each operand held to the
+graph's stride order (a TN-only FP8 GEMM's); a GEMM whose code reads the offsets on the host
+stays the op.
 
 Checked here without a GPU (a CUDA build of torch and triton: torch 2.11's and 2.15's wheels):
 a graph of quantizes on fake CUDA tensors compiled by Inductor for an sm_90 device, with
@@ -40,6 +45,8 @@ def _fake_outputs(x, recipe, role, usage, offs=None):
     """The op's outputs as empty tensors on x's device: its fake implementation indexes the
     tensor (``x[0]``, ``amax[..., None]``), which asks the CUDA driver for a fake CUDA tensor's
     device, and this machine has none (a GPU machine's tracing runs the op's own)."""
+    if x.dim() == 2 and offs is None:
+        return ops._quantize_fake(x, recipe, role, usage)
     dtype = recipes.fp8_dtype(recipes.as_recipe(recipe), role)
     out = []
     for columnwise in ops._COLUMNWISE[usage]:
@@ -82,6 +89,7 @@ def _sm90():
 def _compiled_source(fn, shapes, fuse_quantize=True) -> str:
     """Inductor's wrapper code for ``fn`` on fake CUDA tensors of ``shapes`` ((shape, dtype))."""
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -89,7 +97,7 @@ def _compiled_source(fn, shapes, fuse_quantize=True) -> str:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             args = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in shapes]
-            gm = make_fx(fn, tracing_mode="real")(*args)
+            gm = make_fx(fn, select_decomp_table(), tracing_mode="real")(*args)
         backend = graphpass.backend(fp8="rowwise", kernels="scaled_mm",
                                     fuse_quantize=fuse_quantize)
         patches = {k: v for k, v in backend._inductor_patches(args).items()
@@ -160,3 +168,67 @@ def test_opaque_quantizes_stay_the_op():
     call = _call(_compiled_source(_tokens("both"), TOKENS, fuse_quantize=False))
     assert "graphpass.quantize" in call
     assert not re.findall(r"(_\w+_kernel)_\d+\.run\(", call)
+
+
+# --- the FP8 GEMMs ----------------------------------------------------------------------------
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+_GEMM = torch.ops.graphpass.fp8_gemm
+
+
+def _extern_calls(call: str) -> list[str]:
+    return re.findall(r"extern_kernels\.(\w+)|torch\.ops\.graphpass\.(\w+)", call)
+
+
+def test_a_dense_gemm_is_inductors_extern_call():
+    call = _call(_compiled_source(
+        lambda a, sa, b, sb: [_GEMM(a, sa, b, sb, "tensorwise", "input,weight", torch.bfloat16,
+                                    None, "scaled_mm")],
+        [((256, 128), E4), ((), torch.float32), ((64, 128), E4), ((), torch.float32)]))
+    assert _extern_calls(call) == [("_scaled_mm", "")], call
+    # b is passed transposed as it is (TN), nothing copied
+    assert "reinterpret_tensor(b_1, (128, 64), (1, 128), 0)" in call, call
+
+
+def test_a_token_grouped_gemm_is_inductors_extern_call():
+    call = _call(_compiled_source(
+        lambda a, sa, b, sb, offs: [_GEMM(a, sa, b, sb, "rowwise", "input,weight",
+                                          torch.bfloat16, None, "scaled_mm", offs)],
+        [((256, 128), E4), ((256, 1), torch.float32), ((4, 64, 128), E4),
+         ((4, 64, 1), torch.float32), ((4,), torch.int32)]))
+    assert _extern_calls(call) == [("_scaled_grouped_mm", "")], call
+
+
+def test_a_gemm_whose_operand_is_computed_keeps_the_k_major_layout():
+    """An operand computed from a transposed tensor is written K-major (row-major) for the
+    TN-only GEMM: the inlined GEMM holds its operands to the graph's stride order
+    (``prims.inductor_force_stride_order``), as the op's fixed stride order did."""
+    def step(x, b, sa, sb):
+        a = torch.ops.aten.clone.default((x.t() * 2).to(E4), memory_format=torch.contiguous_format)
+        return [_GEMM(a, sa, b, sb, "tensorwise", "input,weight", torch.bfloat16, None,
+                      "scaled_mm")]
+
+    call = _call(_compiled_source(step, [((128, 256), torch.bfloat16), ((64, 128), E4),
+                                         ((), torch.float32), ((), torch.float32)]))
+    assert _extern_calls(call) == [("_scaled_mm", "")], call
+    operand = re.search(r"extern_kernels\._scaled_mm\((\w+),", call).group(1)
+    assert re.search(rf"{operand} = empty_strided_cuda\(\(256, 128\), \(128, 1\)", call), call
+
+
+@pytest.mark.parametrize("why", ["a GEMM per group", "the reference provider"])
+def test_a_gemm_whose_code_does_not_trace_stays_the_op(why):
+    """The tensorwise recipe's E5M2 gradients over token groups run one ``_scaled_mm`` per group,
+    the group sizes read on the host: no trace, the op stays; so does every GEMM of another
+    provider than ``scaled_mm``."""
+    if why == "a GEMM per group":
+        def fn(a, sa, b, sb, offs):
+            return [_GEMM(a, sa, b, sb, "tensorwise", "grad,weight", torch.bfloat16, None,
+                          "scaled_mm", offs)]
+        shapes = [((256, 64), E5), ((4,), torch.float32), ((4, 128, 64), E4),
+                  ((4,), torch.float32), ((4,), torch.int32)]
+    else:
+        def fn(a, sa, b, sb):
+            return [_GEMM(a, sa, b, sb, "tensorwise", "input,weight", torch.bfloat16, None,
+                          "reference")]
+        shapes = [((256, 128), E4), ((), torch.float32), ((64, 128), E4), ((), torch.float32)]
+    assert set(_extern_calls(_call(_compiled_source(fn, shapes)))) == {("", "fp8_gemm")}

@@ -42,6 +42,7 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -51,6 +52,7 @@ from .. import _compat
 from ..decisions import Decision, What
 from . import ops, recipes, replacements, triton_quantize
 
+_log = logging.getLogger(__name__)
 INLINED = (recipes.Scaling.TENSORWISE, recipes.Scaling.ROWWISE, recipes.Scaling.BLOCKWISE)
 INLINED_RECIPES = tuple(s.value for s in INLINED)  # their names, as the notes say them
 
@@ -136,7 +138,51 @@ def _patterns() -> Any:
             lambda x, offs: ops._quantize(x, recipe, role, usage, offs), [x, offs],
             trace_fn=_traced_launches)
 
+    # The FP8 GEMMs torch's kernels run on CUDA (kernels="scaled_mm"): the op's own code traced,
+    # torch._scaled_mm / torch._scaled_grouped_mm then Inductor's extern calls. One whose code
+    # does not trace (a GEMM per token group reads the offsets on the host) stays the op.
+    for arity in (len(_GEMM_ARGS) - 1, len(_GEMM_ARGS)):
+        pm.register_graph_pattern(
+            pm.CallFunction(ops.FP8_GEMM, *[pm.KeywordArg(k) for k in _GEMM_ARGS[:arity]]),
+            extra_check=lambda match: _inlinable_gemm(match.output_node()),
+            pass_dict=patterns,
+        )(_inline_gemm)
+
     return patterns
+
+
+_GEMM_ARGS = ("a", "a_scale_inv", "b", "b_scale_inv", "recipe", "roles", "out_dtype", "bias",
+              "kernel", "offs")
+_GEMM_OPERANDS = ("a", "a_scale_inv", "b", "b_scale_inv")
+
+
+def _inlinable_gemm(node: fx.Node) -> bool:
+    """Whether ``node`` (a ``graphpass::fp8_gemm``) runs torch's FP8 GEMMs on CUDA."""
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return (len(node.args) > 8 and node.args[8] == "scaled_mm"
+            and isinstance(val, torch.Tensor) and val.device.type == "cuda")
+
+
+def _inline_gemm(match: Any, **kwargs: Any) -> None:
+    """Replaces the matched ``fp8_gemm`` by its code, each operand held to its stride order in
+    the traced graph (``prims.inductor_force_stride_order``: the op's fixed stride order, which
+    a TN-only FP8 GEMM needs), or leaves the op where that code does not trace."""
+    names = [k for k in _GEMM_ARGS if k in kwargs]
+    tensors = [k for k in names if isinstance(kwargs[k], fx.Node)]
+
+    def gemm(*values: torch.Tensor) -> torch.Tensor:
+        args = {**kwargs, **dict(zip(tensors, values))}
+        for k in _GEMM_OPERANDS:
+            args[k] = torch.ops.prims.inductor_force_stride_order(args[k], args[k].stride())
+        return ops._fp8_gemm(*(args[k] for k in names))
+
+    def trace(fn: Any, values: Any) -> fx.GraphModule:
+        return _compat.inductor_pattern_matcher().fwd_only(fn, values)
+
+    try:
+        match.replace_by_example(gemm, [kwargs[k] for k in tensors], trace_fn=trace)
+    except Exception as e:  # noqa: BLE001  (its code reads the offsets on the host: keep the op)
+        _log.debug("fp8_gemm %s stays the op: %s", match.output_node(), e)
 
 
 def _traced_launches(fn: Any, args: Any) -> fx.GraphModule:

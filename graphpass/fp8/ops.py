@@ -510,10 +510,9 @@ quantize_amax.register_fake(_quantize_amax)  # plain tensor arithmetic: exact on
 # FP8 GEMMs are TN-only (cuBLASLt on Hopper, TE): both operands row-major, K contiguous. Under
 # Inductor an inlined quantize may write its FP8 copy in its input's stride order (a transposed
 # gradient's), so the GEMM asks Inductor for its inputs in the strides of the traced graph, where
-# every quantize output is contiguous; ``_k_major`` below guards any other caller.
-@torch.library.custom_op("graphpass::fp8_gemm", mutates_args=(),
-                         tags=(torch.Tag.needs_fixed_stride_order,))
-def fp8_gemm(
+# every quantize output is contiguous (inlined on CUDA, fp8/inductor.py's ``_inline_gemm``, it
+# holds them to that order itself); ``_k_major`` below guards any other caller.
+def _fp8_gemm(
     a: Tensor,
     a_scale_inv: Tensor,
     b: Tensor,
@@ -558,6 +557,10 @@ def fp8_gemm(
                                      out_dtype, bias, fast_accum=fast)
     return provider.gemm(a, a_scale_inv, b, b_scale_inv, recipe, a_role, b_role, out_dtype, bias,
                          fast_accum=fast)
+
+
+fp8_gemm = torch.library.custom_op("graphpass::fp8_gemm", _fp8_gemm, mutates_args=(),
+                                   tags=(torch.Tag.needs_fixed_stride_order,))
 
 
 def _k_major(t: Tensor) -> Tensor:
