@@ -14,7 +14,7 @@ import torch
 
 import graphpass
 from graphpass.backend import Partitioner
-from graphpass.fp8 import providers
+from graphpass.fp8 import cudnn, providers
 
 _ERROR = "libtransformer_engine.so: cannot open shared object file: No such file or directory"
 
@@ -73,7 +73,7 @@ def test_te_imports_with_torchs_cudnn_unless_the_user_named_one(monkeypatch, use
     recording = _RecordingTE()
     recording.seen.clear()
     monkeypatch.setattr(sys, "meta_path", [recording, *sys.meta_path])
-    monkeypatch.setattr(providers, "torch_cudnn_dir", lambda: "/torch/nvidia/cudnn/lib")
+    monkeypatch.setattr(cudnn, "torch_cudnn_dir", lambda: "/torch/nvidia/cudnn/lib")
     for name in ("CUDNN_HOME", "CUDNN_PATH"):
         monkeypatch.delenv(name, raising=False)
     if user_env:
@@ -91,22 +91,22 @@ def test_te_imports_with_torchs_cudnn_unless_the_user_named_one(monkeypatch, use
 def test_torch_cudnn_dir_is_the_loaded_library_folder():
     loaded = [line.split()[-1] for line in open("/proc/self/maps") if "/libcudnn.so." in line]
     if not loaded:
-        assert providers.torch_cudnn_dir() is None
+        assert cudnn.torch_cudnn_dir() is None
         pytest.skip("this torch loaded no cuDNN (a CPU build)")
-    assert os.path.isfile(os.path.join(providers.torch_cudnn_dir(), os.path.basename(loaded[0])))
+    assert os.path.isfile(os.path.join(cudnn.torch_cudnn_dir(), os.path.basename(loaded[0])))
 
 
 def test_torchs_cudnn_libraries_load_each_after_those_it_needs(tmp_path):
     """Before TE imports, torch's cuDNN libraries are loaded graph first (every other one needs
     it), so a later load by name gets torch's copy; a file that does not load is left alone."""
     (tmp_path / "libcudnn_graph.so.9").write_bytes(b"not a library")
-    assert providers._preload_cudnn(str(tmp_path)) == []
-    folder = providers.torch_cudnn_dir()
+    assert cudnn.preload(str(tmp_path)) == []
+    folder = cudnn.torch_cudnn_dir()
     if folder is None:
         pytest.skip("this torch loaded no cuDNN (a CPU build)")
-    loaded = providers._preload_cudnn(folder)
+    loaded = cudnn.preload(folder)
     assert loaded and loaded[0] == "libcudnn_graph.so.9"
-    assert loaded == sorted(loaded, key=lambda n: providers._CUDNN_ORDER.index(
+    assert loaded == sorted(loaded, key=lambda n: cudnn.ORDER.index(
         n.removeprefix("libcudnn_").removesuffix(".so.9")))
     mapped = {line.split()[-1] for line in open("/proc/self/maps") if "/libcudnn_" in line}
     assert {os.path.join(folder, n) for n in loaded} <= mapped

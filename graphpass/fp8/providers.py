@@ -21,18 +21,16 @@ costs throughput. ``reference`` accumulates in fp32 in every mode: it models the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
 import importlib.util
-import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import blockwise_gemm, recipes, torch_gemms
+from . import blockwise_gemm, cudnn, recipes, torch_gemms
 from .cublaslt import check_scaled_grouped_mm, own_scalar, pad_contraction
 from .jobs import TOKEN_ALIGN, Provider, aligns_tokens, per_expert_gemm, per_group_gemm
 
@@ -419,62 +417,6 @@ class TEStatus:
         return "Transformer Engine not installed"
 
 
-def torch_cudnn_dir() -> str | None:
-    """The folder of the cuDNN library this process has loaded (torch's: on Linux, in
-    ``/proc/self/maps``), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libcudnn.so." in line}
-    except OSError:
-        return None
-    return os.path.dirname(min(paths)) if paths else None
-
-
-# cuDNN 9's libraries, each after those it needs (libcudnn.so.9, torch's, is loaded already)
-_CUDNN_ORDER = ("graph", "engines_runtime_compiled", "engines_precompiled", "heuristic", "ops",
-                "cnn", "adv")
-
-
-def _preload_cudnn(folder: str) -> list[str]:
-    """Loads the cuDNN libraries of ``folder`` (torch's), each after those it needs, so that a
-    later load of one by name (``libcudnn_cnn.so.9``, from a library without torch's search
-    path) gets torch's copy, not another cuDNN's. Returns the names loaded (one that does not
-    load here, e.g. without a GPU driver, is left to load as before)."""
-    import ctypes
-
-    loaded = []
-    for part in _CUDNN_ORDER:
-        path = os.path.join(folder, f"libcudnn_{part}.so.9")
-        if os.path.exists(path):
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                continue
-            loaded.append(os.path.basename(path))
-    return loaded
-
-
-@contextlib.contextmanager
-def _te_finds_torch_cudnn() -> Iterator[None]:
-    """While TE imports: ``CUDNN_PATH`` names torch's cuDNN, unless the user set ``CUDNN_HOME``
-    or ``CUDNN_PATH``, and torch's cuDNN libraries loaded first (``_preload_cudnn``). TE loads
-    ``libcudnn`` from those variables first, then from ``CUDA_HOME`` and the system's library
-    path. A second cuDNN beside torch's breaks TE's import once torch has used cuDNN: on the
-    H200 image the system's ``libcudnn_heuristic.so.9`` was bound to torch's
-    ``libcudnn_graph.so.9`` ("undefined symbol: _ZTVN5cudnn7backend12OperationSetE"); with
-    ``CUDNN_PATH`` alone, the system's ``libcudnn_cnn.so.9`` was."""
-    folder = torch_cudnn_dir()
-    if folder is None or "CUDNN_HOME" in os.environ or "CUDNN_PATH" in os.environ:
-        yield
-        return
-    _preload_cudnn(folder)
-    os.environ["CUDNN_PATH"] = folder
-    try:
-        yield
-    finally:
-        os.environ.pop("CUDNN_PATH", None)
-
-
 @functools.lru_cache(maxsize=None)
 def te_status() -> TEStatus:
     """Import ``transformer_engine.pytorch`` once. A broken install (a missing CUDA library, an
@@ -482,7 +424,7 @@ def te_status() -> TEStatus:
     apart from an absent one so that ``auto``'s fallback says which it was."""
     installed = importlib.util.find_spec("transformer_engine") is not None
     try:
-        with _te_finds_torch_cudnn():
+        with cudnn.torch_cudnn_for_te():
             import transformer_engine
             import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # noqa: BLE001  (any failure means: not usable here; say why)
