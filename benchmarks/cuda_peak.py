@@ -141,6 +141,22 @@ def _fake_friendly_force_stride() -> Any:
         force.__code__ = code
 
 
+@contextlib.contextmanager
+def _triton_targets_sm90() -> Any:
+    """Triton's active driver answers sm_90 as its target: torch compiles a user kernel's Triton
+    IR to find which arguments it writes (``wrap_triton`` launches, graphpass's quantize kernels
+    under Inductor), and without a driver it would take every argument as written."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    previous = driver._active  # None until a driver was asked for; none can be made here
+    driver.set_active(mock.MagicMock(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
 def _scaled_mm_into(*args: Any, out: Any = None, **kwargs: Any) -> Any:
     """``extern_kernels._scaled_mm`` on fake tensors: torch has no fake ``_scaled_mm.out``; the
     wrapper allocated ``out`` already, which is all the memory accounting needs."""
@@ -149,8 +165,9 @@ def _scaled_mm_into(*args: Any, out: Any = None, **kwargs: Any) -> Any:
 
 def _sm90_patches(allocations: _Allocations) -> list:
     """What lets Inductor generate and run its CUDA code without a GPU: an sm_90 device's
-    properties, no CUDA runtime calls, every Triton kernel a no-op, fake-friendly forms of the
-    two ops Inductor's code of the inlined FP8 GEMMs calls that have none."""
+    properties and Triton target, no CUDA runtime calls, every Triton kernel a no-op,
+    fake-friendly forms of the two ops Inductor's code of the inlined FP8 GEMMs calls that have
+    none."""
     from torch._inductor.runtime.hints import DeviceProperties
     from torch._inductor.select_algorithm import extern_kernels
 
@@ -192,6 +209,7 @@ def _sm90_patches(allocations: _Allocations) -> list:
         mock.patch("torch._C._cuda_getCurrentRawStream", lambda d: 0),
         mock.patch.object(extern_kernels, "_scaled_mm", _scaled_mm_into, create=True),
         _fake_friendly_force_stride(),
+        _triton_targets_sm90(),
     ]
 
 

@@ -123,8 +123,8 @@ def _patterns() -> Any:
         pass_dict=patterns,
     )
     def _launch_weights(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
-        match.replace_by_example(lambda x: ops._quantize(x, recipe, role, usage), [x],
-                                 trace_fn=_traced_launches)
+        _replace_or_keep(match, lambda x: ops._quantize(x, recipe, role, usage), [x],
+                         _traced_launches)
 
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
@@ -134,9 +134,8 @@ def _patterns() -> Any:
     )
     def _launch_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
                        offs: fx.Node) -> None:
-        match.replace_by_example(
-            lambda x, offs: ops._quantize(x, recipe, role, usage, offs), [x, offs],
-            trace_fn=_traced_launches)
+        _replace_or_keep(match, lambda x, offs: ops._quantize(x, recipe, role, usage, offs),
+                         [x, offs], _traced_launches)
 
     # The FP8 GEMMs torch's kernels run on CUDA (kernels="scaled_mm"): the op's own code traced,
     # torch._scaled_mm / torch._scaled_grouped_mm then Inductor's extern calls. One whose code
@@ -176,23 +175,51 @@ def _inline_gemm(match: Any, **kwargs: Any) -> None:
             args[k] = torch.ops.prims.inductor_force_stride_order(args[k], args[k].stride())
         return ops._fp8_gemm(*(args[k] for k in names))
 
-    def trace(fn: Any, values: Any) -> fx.GraphModule:
-        return _compat.inductor_pattern_matcher().fwd_only(fn, values)
+    _replace_or_keep(match, gemm, [kwargs[k] for k in tensors],
+                     lambda fn, values: _compat.inductor_pattern_matcher().fwd_only(fn, values))
 
+
+def _replace_or_keep(match: Any, fn: Any, args: list, trace_fn: Any) -> None:
+    """``match.replace_by_example(fn, args, trace_fn)``, or the op left where ``trace_fn``
+    cannot trace ``fn`` (nothing is replaced before the trace succeeds)."""
     try:
-        match.replace_by_example(gemm, [kwargs[k] for k in tensors], trace_fn=trace)
-    except Exception as e:  # noqa: BLE001  (its code reads the offsets on the host: keep the op)
-        _log.debug("fp8_gemm %s stays the op: %s", match.output_node(), e)
+        match.replace_by_example(fn, args, trace_fn=trace_fn)
+    except Exception as e:  # noqa: BLE001  (the op runs as it did; said in the debug log)
+        _log.debug("%s stays the op: %s", match.output_node(), e)
 
 
 def _traced_launches(fn: Any, args: Any) -> fx.GraphModule:
     """``fn`` (a quantize on graphpass's Triton kernels) traced with each launch a
     ``torch.library.wrap_triton`` one, functionalized: each kernel one functional launch whose
     results are the buffers it writes (Inductor's reinplacing then writes them in place, and
-    its code launches the kernel itself)."""
+    its code launches the kernel itself). Which buffers a kernel writes, torch finds from the
+    kernel's Triton IR; where it cannot (no GPU target to compile for), it takes every argument
+    as written, the quantize's input included, which Inductor's scheduler then failed on
+    (``KeyError``, torch 2.11): such a trace is refused, and the op stays."""
     fwd_only = _compat.inductor_pattern_matcher().fwd_only
     with triton_quantize.inductor_launches():
-        return fwd_only(torch.func.functionalize(fn, remove="mutations"), args)
+        gm = fwd_only(torch.func.functionalize(fn, remove="mutations"), args)
+    written = _inputs_written(gm)
+    if written:
+        raise ValueError(f"a Triton launch would write the quantize's input {written}")
+    return gm
+
+
+def _inputs_written(gm: fx.GraphModule) -> list[str]:
+    """The placeholders of ``gm`` that a functional Triton launch in it writes (through views)."""
+    functional = torch.ops.higher_order.triton_kernel_wrapper_functional
+    out = []
+    for node in gm.graph.nodes:
+        if node.target is not functional:
+            continue
+        for name in node.kwargs.get("tensors_to_clone", ()):
+            base = node.kwargs["kwargs"][name]
+            while isinstance(base, fx.Node) and base.op == "call_function" and base.args \
+                    and _compat.is_op_overload(base.target) and base.target.is_view:
+                base = base.args[0]
+            if isinstance(base, fx.Node) and base.op == "placeholder":
+                out.append(base.name)
+    return out
 
 
 _OPAQUE: contextvars.ContextVar[bool] = contextvars.ContextVar("graphpass_opaque_quantizes",
