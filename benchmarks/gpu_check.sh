@@ -15,7 +15,8 @@
 #   2. experts.md   16 DeepSeek-V3-shaped experts over 8,192 and 32,768 routed tokens: bf16
 #                   against FP8 rowwise and tensorwise e4m3, with their kernel profiles
 #   3. profile_llama.txt   the kernels of the FP8 Llama step, largest first, and the blocks live
-#                   at its measured memory peak by the wrapper line that allocated them
+#                   at its measured memory peak by the wrapper line that allocated them (the
+#                   wrappers kept in llama_code/, to set beside cuda_peak.py's CPU-generated code)
 #   4. pytest_gpu.txt      pytest -m gpu
 # The whole report (every config, offload, the step peak and the memory budget) is
 # benchmarks/gpu_report.py, which needs a longer lease.
@@ -28,7 +29,7 @@ stage steps 200 python3 benchmarks/gpu_report.py --models llama gpt --no-pytest 
 stage experts 150 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
     --configs rowwise "tensorwise e4m3" --out "$out/experts.md"
 stage profile_llama 60 python3 benchmarks/profile_step.py --model llama --fp8 tensorwise \
-    --kernels scaled_mm --top 30
+    --kernels scaled_mm --top 30 --code-dir "$out/llama_code"
 stage pytest_gpu 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/
 cat "$out/machine.txt" "$out/stages.txt"
 grep -hE "^- (PASS|FAIL|NOT)|^\| (bf16|graphpass|torchao|experts)" "$out/steps.md" "$out/experts.md" 2>/dev/null
