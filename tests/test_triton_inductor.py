@@ -239,3 +239,17 @@ def test_a_launch_torch_cannot_analyse_leaves_the_op():
             get_current_target=no_target))):
         call = _call(_compiled_source(_weights("both"), WEIGHTS))
     assert "graphpass.quantize" in call, call
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_a_dense_gemm_with_bias_is_inductors_extern_call(out_dtype):
+    """With a bias: fused into ``torch._scaled_mm`` for a bf16 output; added after it for an fp32
+    one (``_scaled_mm`` refuses a bf16 bias there), an Inductor kernel after the extern call."""
+    call = _call(_compiled_source(
+        lambda a, sa, b, sb, bias: [_GEMM(a, sa, b, sb, "tensorwise", "input,weight", out_dtype,
+                                          bias, "scaled_mm")],
+        [((256, 128), E4), ((), torch.float32), ((64, 128), E4), ((), torch.float32),
+         ((64,), torch.bfloat16)]))
+    assert _extern_calls(call) == [("_scaled_mm", "")], call
+    fused = re.search(r"extern_kernels\._scaled_mm\([^\n]*\bbias_1\b", call) is not None
+    assert fused == (out_dtype == torch.bfloat16), call
