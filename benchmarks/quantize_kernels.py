@@ -229,6 +229,10 @@ GROUPED_SWEEP = [
     dict(amax_t_chunk=256),
     dict(amax_t_chunk=32, cast_k_chunk=128),  # both passes one tile a program
     dict(amax_t_chunk=64, cast_k_chunk=256, cast_warps=8),
+    # how deep Triton pipelines the loops' loads (num_stages; 3 by default)
+    dict(stages=1),
+    dict(stages=2),
+    dict(stages=4),
 ]
 
 
@@ -286,6 +290,10 @@ SWEEP = [
     dict(amax_block=(32, 512), amax_n_chunk=32, cast_k_chunk=128),
     dict(amax_block=(32, 512), amax_n_chunk=32, cast_k_chunk=128, rows_block=(4, 1024)),
     dict(amax_block=(64, 256), amax_n_chunk=64, amax_warps=8, cast_k_chunk=128, cast_warps=8),
+    # how deep Triton pipelines the loops' loads (num_stages; 3 by default)
+    dict(stages=1),
+    dict(stages=2),
+    dict(stages=4),
 ]
 
 

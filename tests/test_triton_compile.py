@@ -105,6 +105,17 @@ def _variants() -> list[tuple[str, object]]:
                             tq.quantize_experts_rowwise(w, rows=r, cols=c, **kw)))
                 out.append((f"groups-{which}-{name}", lambda x=tokens, r=rows, c=cols, kw=common:
                             tg.quantize_groups_rowwise(x, offs, rows=r, cols=c, **kw)))
+    # the sweep's pipelining depths (num_stages), both copies of bf16
+    common = dict(fp8_dtype=recipes.E4M3, fp8_max=448.0, power_2_scales=False, amax_epsilon=0.0)
+    weights, tokens = torch.randn(2, 48, 80, dtype=torch.bfloat16), torch.randn(100, 80,
+                                                                               dtype=torch.bfloat16)
+    for stages in (1, 4):
+        out.append((f"experts-both-stages{stages}", lambda w=weights, s=stages:
+                    tq.quantize_experts_rowwise(w, rows=True, cols=True,
+                                                config=tq.KernelConfig(stages=s), **common)))
+        out.append((f"groups-both-stages{stages}", lambda x=tokens, s=stages:
+                    tg.quantize_groups_rowwise(x, offs, config=tg.GroupedKernelConfig(stages=s),
+                                               **common)))
     return out
 
 

@@ -46,6 +46,8 @@ CASES: dict[str, tuple] = {
                                     "rowwise", None, None, SMALL | dict(fuse_rows=False)),
     "ragged_bf16_cols": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight", "columnwise",
                          None, None, SMALL),
+    "ragged_bf16_both_one_stage": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
+                                   "both", None, None, SMALL | dict(stages=1)),
     "aligned_bf16_both": ((2, 128, 256), "bfloat16", "specials", "rowwise", "weight", "both",
                           None, None, dict(amax_block=(64, 128), amax_n_chunk=64,
                                            cast_block=(64, 128), cast_k_chunk=128,
@@ -319,3 +321,11 @@ def test_benchmark_dry_run_checks_the_kernels_or_says_why_not():
             and not line.startswith("| ---") and "kernels ms" not in line]
     assert len(rows) == 8, proc.stdout  # 2 token-grouped shapes, 2 weights x 3 usages
     assert all(line.rstrip(" |").endswith("True") for line in rows), proc.stdout
+
+
+def test_a_pipelining_depth_below_one_is_refused():
+    from graphpass.fp8 import triton_grouped as tg, triton_quantize as tq
+
+    for config in (tq.KernelConfig, tg.GroupedKernelConfig):
+        with pytest.raises(ValueError, match="stages must be positive"):
+            config(stages=0)

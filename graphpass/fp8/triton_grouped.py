@@ -102,8 +102,8 @@ class GroupedKernelConfig:
     (aligned columns, columns of x); its first dimension is the contiguous run of each
     transposed store. ``cast_k_chunk``: the columns of x one cast program walks along (a
     multiple of ``cast_block[1]``). ``cast``: ``"ptx"``, ``"soft"`` or None, as
-    ``triton_quantize.KernelConfig.cast``. The rowwise copy alone runs
-    ``triton_quantize``'s rowwise kernel with its default tiles
+    ``triton_quantize.KernelConfig.cast``; ``stages``: Triton's ``num_stages``, as there. The
+    rowwise copy alone runs ``triton_quantize``'s rowwise kernel with its default tiles
     (``triton_quantize.DEFAULT_CONFIG``).
     """
 
@@ -114,6 +114,7 @@ class GroupedKernelConfig:
     cast_k_chunk: int = 1024
     cast_warps: int = 4
     cast: str | None = None
+    stages: int = 3
 
     def __post_init__(self) -> None:
         for b in (*self.amax_block, *self.cast_block):
@@ -123,6 +124,8 @@ class GroupedKernelConfig:
             raise ValueError(f"amax_t_chunk must be positive, got {self}")
         if self.cast_k_chunk < self.cast_block[1] or self.cast_k_chunk % self.cast_block[1]:
             raise ValueError(f"cast_k_chunk must be a multiple of cast_block[1], got {self}")
+        if self.stages < 1:
+            raise ValueError(f"stages must be positive, got {self}")
         if self.cast not in (None, "ptx", "soft"):
             raise ValueError(f"cast must be 'ptx', 'soft' or None, got {self.cast!r}")
 
@@ -350,6 +353,7 @@ def quantize_groups_rowwise(
     _tq.launched(_amax_kernel)[(triton.cdiv(k, bk), triton.cdiv(t, cfg.amax_t_chunk))](
         xs, offs, row_amax, col_amax, t, k, groups, cfg.amax_t_chunk, ROWS=rows,
         BF16_BITS=bf16_bits, BLOCK_T=bt, BLOCK_K=bk, G_PAD=g_pad, num_warps=cfg.amax_warps,
+        num_stages=cfg.stages,
         **_tq._launch_options())
     out = _outputs(x, groups, fp8_dtype, rows, cols, empty=False)
     q, s = (out[0].view(torch.uint8), out[1]) if rows else (None, None)
@@ -361,6 +365,7 @@ def quantize_groups_rowwise(
         float(fp8_max), float(amax_epsilon), ROWS=rows, POW2=bool(power_2_scales),
         E5M2=fp8_dtype == recipes.E5M2, CAST=cast, BF16_BITS=bf16_bits, BLOCK_P=bp, BLOCK_K=bk,
         G_PAD=g_pad, ALIGN=providers.TOKEN_ALIGN, num_warps=cfg.cast_warps,
+        num_stages=cfg.stages,
         **_tq._launch_options())
     return out
 

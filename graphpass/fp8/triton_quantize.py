@@ -122,6 +122,8 @@ class KernelConfig:
     that one-kernel path (else the two passes). ``cast``: how fp32 becomes fp8: ``"ptx"`` (the
     ``cvt.rn.satfinite`` instruction through inline PTX; sm_89+ GPUs) or ``"soft"`` (integer
     arithmetic: any device, and the interpreter); None picks ``"ptx"`` where it can run.
+    ``stages``: Triton's ``num_stages`` for every launch (its default, 3: how deep the
+    compiler may pipeline the loads of the kernels' loops).
     """
 
     amax_block: tuple[int, int] = (32, 512)
@@ -134,6 +136,7 @@ class KernelConfig:
     rows_warps: int = 4
     fuse_rows: bool = True
     cast: str | None = None
+    stages: int = 3
 
     def __post_init__(self) -> None:
         for b in (*self.amax_block, *self.cast_block, *self.rows_block):
@@ -143,6 +146,8 @@ class KernelConfig:
             raise ValueError(f"amax_n_chunk must be a multiple of amax_block[0], got {self}")
         if self.cast_k_chunk < self.cast_block[1] or self.cast_k_chunk % self.cast_block[1]:
             raise ValueError(f"cast_k_chunk must be a multiple of cast_block[1], got {self}")
+        if self.stages < 1:
+            raise ValueError(f"stages must be positive, got {self}")
         if self.cast not in (None, *_CASTS):
             raise ValueError(f"cast must be one of {_CASTS} or None, got {self.cast!r}")
 
@@ -467,6 +472,7 @@ def _amax_pass(xs: Tensor, rows: bool, cols: bool, cfg: KernelConfig
     launched(_amax_kernel)[(triton.cdiv(k, bk), triton.cdiv(n, cfg.amax_n_chunk), e)](
         xs, row_amax, col_amax, n, k, cfg.amax_n_chunk, ROWS=rows, COLS=cols,
         BF16_BITS=xs.dtype == torch.int16, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.amax_warps,
+        num_stages=cfg.stages,
         **_launch_options())
     return row_amax, col_amax
 
@@ -485,6 +491,7 @@ def _cast_pass(xs: Tensor, row_amax: Tensor | None, col_amax: Tensor | None, out
         float(amax_epsilon),
         ROWS=rows, COLS=cols, POW2=bool(power_2_scales), E5M2=e5m2, CAST=cast,
         BF16_BITS=xs.dtype == torch.int16, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.cast_warps,
+        num_stages=cfg.stages,
         **_launch_options())
 
 
@@ -547,7 +554,8 @@ def _quantize(x: Tensor, *, fp8_dtype: torch.dtype, fp8_max: float, power_2_scal
         launched(_rows_kernel)[(triton.cdiv(n, bn), e)](
             xs, out[0].view(torch.uint8), out[1], n, k, float(fp8_max), float(amax_epsilon),
             POW2=bool(power_2_scales), E5M2=e5m2, CAST=cast, BF16_BITS=xs.dtype == torch.int16,
-            BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.rows_warps, **_launch_options())
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.rows_warps, num_stages=cfg.stages,
+            **_launch_options())
         return out
     row_amax, col_amax = _amax_pass(xs, rows, cols, cfg)
     _cast_pass(xs, row_amax, col_amax, out, fp8_max=fp8_max, power_2_scales=power_2_scales,
