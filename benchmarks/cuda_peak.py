@@ -240,7 +240,9 @@ def partitioned(model_name: str, size: str, layers: int, options: dict[str, Any]
 
     example = importlib.import_module(f"examples.{model_name}")
     model, inputs = example.build(size, layers=layers, device="meta", dtype=torch.bfloat16)
-    with mock.patch.object(backend_module, "run", capturing):
+    # partitioned as for a GPU (graphpass.plan traces on the CPU): min_cut's choices for CUDA
+    with mock.patch.object(backend_module, "run", capturing), \
+            mock.patch("graphpass.min_cut._on_cuda", lambda plan: True):
         report = graphpass.plan(model, *inputs, config=graphpass.Config(**options))
     if len(graphs) != 1:
         raise SystemExit(f"cuda_peak.py: {len(graphs)} graphs (a graph break?); one expected")

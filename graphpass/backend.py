@@ -134,7 +134,8 @@ class Backend:
             if "cpu" in device_types:  # columnwise copies: bf16 tile transposes in C++
                 _compat.guard_cpp_bf16_transpose()
             patches["post_grad_custom_pre_pass"] = post_grad_pass(
-                _source_hash(), _compat.inductor_config().post_grad_custom_pre_pass)
+                _source_hash(), _compat.inductor_config().post_grad_custom_pre_pass,
+                order_backward=self.config.order_backward)
             patches["emulate_precision_casts"] = True
             # Triton lowers fp32 x / y to the approximate div.full: the recipe's scale (fmax /
             # amax) and its reciprocal would be off by an ulp, and with them the FP8 bits.

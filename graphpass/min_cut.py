@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _compat
 from .config import Config
 from .decisions import Decision, Plan, What, facts
-from .fp8.inductor import opaque_quantizes
+from .fp8.inductor import quantize_code
 from .graph.backward_order import order_for_memory
 from .graph.nodes import is_backward, module_path, op_name
 from .graph.offload_copies import partition_windows
@@ -48,19 +48,19 @@ def min_cut(
 
     random = random_recomputes(joint)
     if not random:
-        return _note_order(plan, partition(joint))
+        return _note_order(plan, partition(joint), config)
     keeping = _keeping_saved(joint, random)  # copy first: torch's partitioner edits its graph
     recomputing, kept = partition(joint), partition(keeping)
     recomputing_saved = saved(*recomputing)
     more = recomputing_saved.activation_bytes - saved(*kept).activation_bytes
     if more <= 0:
-        return _note_order(plan, recomputing)
+        return _note_order(plan, recomputing, config)
     rng = recomputing_saved.bytes_by("kind").get("rng_state", 0)
     ops = sorted({f"{op_name(n)} in {module_path(n) or '(top level)'}" for n in random})
     plan.decide(Decision(What.KEPT_SAVED, "recompute", (
         f"{', '.join(ops)}; recomputing would save their RNG state ({rng:,} B) and {more:,} B "
         "more in all")))
-    return _note_order(plan, kept)
+    return _note_order(plan, kept, config)
 
 
 def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan, config: Config,
@@ -77,7 +77,7 @@ def _partition(graph: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: Plan
             if not _compat.min_cut_failure(e):
                 raise
             raise PartitionError(_failure(names, config, e, dumps.directory)) from e
-    if config.codegen == "inductor" and config.order_backward:
+    if config.codegen == "inductor" and config.order_backward and not on_cuda:
         bw.meta[_ORDERED] = order_for_memory(bw)  # every partition: the peak predicted follows
     return fw, bw
 
@@ -90,17 +90,21 @@ def _on_cuda(plan: Plan) -> bool:
     return any(getattr(p.meta.get("val"), "is_cuda", False) for p in plan.primals)
 
 
-def _note_order(plan: Plan, partitioned: Partitioned) -> Partitioned:
-    """The report's note of what ``order_for_memory`` moved in the backward kept, and, for a
-    graph meant for an accelerator, that Inductor's CUDA code may not keep it."""
-    moves = partitioned[1].meta.get(_ORDERED, ())
-    if moves and _on_cuda(plan):
+def _note_order(plan: Plan, partitioned: Partitioned, config: Config | None = None
+                ) -> Partitioned:
+    """The report's notes of ``order_backward``: on a GPU, what Inductor's code of an FP8
+    backward does (``fp8/gemm_order.py``), which the step-peak model does not follow; elsewhere,
+    what ``order_for_memory`` moved in the backward kept."""
+    if config is not None and config.codegen == "inductor" and config.order_backward \
+            and config.recipe is not None and _on_cuda(plan):
         plan.decide(Decision(What.BACKWARD_ORDER, "order_backward", (
-            "on a GPU Inductor's memory reorder may not keep this order: on an H200 the "
-            "Llama-3-8B FP8 layer's step peak measured the same with and without it (1.34 GiB), "
-            "where the predicted step peak, which assumes the order, was 12% lower "
-            "(docs/memory/order-backward.md)")), once=True)
-    for moved in moves:
+            "on a GPU each FP8 GEMM's operand copies are made after the GEMM before it in the "
+            "graph's order (control dependencies Inductor's scheduler keeps), each gradient "
+            "quantized from a buffer of its own; the predicted step peak does not model that "
+            "order (Inductor's CUDA code of the Llama-3-8B FP8 tensorwise layer holds 913 "
+            "against 1,201 MiB above weights, inputs and gradients: "
+            "docs/memory/order-backward.md)")), once=True)
+    for moved in partitioned[1].meta.get(_ORDERED, ()):
         names = [f"{n} ({m})" for n, m in zip(moved.reductions, moved.modules)]
         released = ", ".join(moved.released[:4]) + (", ..." if len(moved.released) > 4 else "")
         waited = (f"the {moved.kernels} kernels that waited for them ({released}) run"
@@ -212,7 +216,7 @@ def partition_peak(joint: fx.GraphModule, joint_inputs: Sequence[Any], *, plan: 
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
     saved = {n.name: n.meta[_JOINT_NODE] for n in outputs[num_fwd_outputs:]
              if isinstance(n, fx.Node) and _JOINT_NODE in n.meta}
-    with opaque_quantizes(not config.fuse_quantize):
+    with quantize_code(config):
         peak = step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs,
                          parameter_names={p.name for p in plan.parameters},
                          runtime=config.codegen)

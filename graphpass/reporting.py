@@ -16,7 +16,7 @@ from . import _compat
 from ._version import __version__
 from .config import Config
 from .decisions import Decision, Plan, What
-from .fp8.inductor import fusion_notes, opaque_quantizes
+from .fp8.inductor import fusion_notes, quantize_code
 from .graph.collectives import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
 from .graph.gemms import coverage
@@ -80,7 +80,7 @@ class ReportBuilder:
         report.notes = [str(d) for d in report.decisions]
         report.meta = _meta(self.config)
         report.meta.update(step_flops=self.step_flops, recompute_flops=recompute_flops)
-        with opaque_quantizes(not self.config.fuse_quantize):
+        with quantize_code(self.config):
             report.meta["step_peak"] = step_peak(
                 fw, bw, num_fwd_outputs=self.num_fwd_outputs,
                 parameter_names=self.parameter_names, runtime=self.config.codegen).to_dict()

@@ -173,6 +173,30 @@ def test_memory_plans_are_bit_identical_under_fused_quantizes():
         assert all(torch.equal(a, b) for a, b in zip(grads, base)), policy
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_order_backward_is_bit_identical_on_gpu(recipe):
+    """``order_backward`` on CUDA (``fp8/gemm_order.py``: control dependencies on the FP8 GEMMs'
+    operand copies, the gradients quantized from buffers of their own) changes the order of
+    kernels only: the gradients are the bits of the step without it."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torch._scaled_mm needs sm89+")
+    runs = []
+    for order in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, inputs = llama.build("tiny", seq=64, layers=1, device="cuda", dtype=torch.bfloat16)
+        inputs = [x.detach().requires_grad_() for x in inputs]
+        compiled = torch.compile(model, backend=graphpass.backend(
+            fp8=recipe, kernels="scaled_mm", order_backward=order))
+        compiled(*inputs).float().pow(2).mean().backward()
+        runs.append([inputs[0].grad, *(p.grad for p in model.parameters())])
+        notes = [n for n in graphpass.last_report().notes if n.startswith("order_backward")]
+        assert bool(notes) == order and all("operand copies" in n for n in notes), notes
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 # --- offload ------------------------------------------------------------------------------------
 
 def test_offload_moves_only_eligible_tensors():

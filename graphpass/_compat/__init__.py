@@ -38,10 +38,10 @@ from .distributed import (dtensor_from_local, dtensor_local, fake_store, functio
 from .dynamo import (aot_autograd, backend_value_error, compile_id, compiled_frame,
                      fake_tensor_mode, frame_scopes, frame_varargs, fsdp_managed_input,
                      placeholder_source, register_backend, unlimited_recompiles)
-from .inductor import (compile_fx, custom_graph_pass_base, custom_partitioner_base,
-                       inductor_config, inductor_decompositions, inductor_lowering_tables,
-                       inductor_partition_fn, inductor_pattern_matcher, register_persistent_outputs,
-                       remove_noop_ops)
+from .inductor import (compile_fx, control_dependencies, custom_graph_pass_base,
+                       custom_partitioner_base, inductor_config, inductor_decompositions,
+                       inductor_lowering_tables, inductor_partition_fn, inductor_pattern_matcher,
+                       register_persistent_outputs, remove_noop_ops)
 from .inductor_cpp import guard_cpp_bf16_transpose, guard_cpp_loop_split
 from .ops import (has_storage, is_higher_order, is_non_overlapping_and_dense, is_op_overload,
                   op_name, storage_id, tensor_metadata, tree_leaves)
@@ -54,7 +54,8 @@ from .versions import (INDUCTOR_REALIZE_HEAVY_OPS, TORCH_VERSION, TORCH_VERSION_
 __all__ = [
     "INDUCTOR_REALIZE_HEAVY_OPS", "MinCutDumps", "TORCH_VERSION", "TORCH_VERSION_STR",
     "UNBACKED_SIZE_HINT", "aot_autograd", "assumed_sizes", "assumed_sizes_why",
-    "backend_value_error", "compile_fx", "compile_id", "compiled_frame", "cuda_version",
+    "backend_value_error", "compile_fx", "compile_id", "compiled_frame", "control_dependencies",
+    "cuda_version",
     "custom_graph_pass_base", "custom_partitioner_base", "dtensor_from_local", "dtensor_local",
     "fake_store", "fake_tensor_mode", "flop_formula", "frame_scopes", "frame_varargs",
     "fsdp_managed_input",

@@ -69,6 +69,19 @@ def custom_graph_pass_base() -> type:
     return CustomGraphPass
 
 
+def control_dependencies() -> tuple[Callable[..., Any], type] | None:
+    """Inductor's ordering constraint on a post-grad graph: ``(preserve_node_ordering,
+    OrderedSet)`` (``torch._inductor.fx_passes.control_dependencies``: each dependent node wrapped
+    in the ``control_deps`` HOP, whose lowering adds scheduler dependencies that its memory
+    reorder keeps; torch 2.11, 2.13 and 2.15), None where this torch has none."""
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:
+        return None
+    return preserve_node_ordering, OrderedSet
+
+
 def inductor_pattern_matcher() -> Any:
     """Inductor's pattern matcher module (``PatternMatcherPass``, ``register_graph_pattern``...);
     slow to import, so on first use."""

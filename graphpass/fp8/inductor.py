@@ -93,8 +93,9 @@ def _patterns() -> Any:
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
-        match.replace_by_example(lambda x: fused_quantize(_input(x), recipe, role, usage), [x],
-                                 trace_fn=replacements.tracer(("fused", recipe, role, usage)))
+        match.replace_by_example(
+            lambda x: fused_quantize(_input(x, role), recipe, role, usage), [x],
+            trace_fn=replacements.tracer(("fused", recipe, role, usage)))
 
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
@@ -237,6 +238,33 @@ def opaque_quantizes(opaque: bool = True) -> Iterator[None]:
         _OPAQUE.reset(token)
 
 
+_STORED_GRADIENTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "graphpass_stored_gradients", default=False)
+
+
+@contextlib.contextmanager
+def stored_gradients(stored: bool = True) -> Iterator[None]:
+    """Within it (``stored``), an inlined quantize of a gradient (role ``grad``) reads it from a
+    buffer of its own on every device (``_input``), and ``computes_input_in_loops`` says so:
+    the graphs are compiled with ``order_backward`` (``fp8/gemm_order.py``), where a gradient
+    that its quantizes' kernels recompute would keep the producer's inputs alive until the last
+    of them."""
+    token = _STORED_GRADIENTS.set(stored)
+    try:
+        yield
+    finally:
+        _STORED_GRADIENTS.reset(token)
+
+
+@contextlib.contextmanager
+def quantize_code(config: Any) -> Iterator[None]:
+    """How the quantizes of graphs compiled under ``config`` (a ``graphpass.Config``) read their
+    inputs, for the step-peak model: ``opaque_quantizes`` under ``fuse_quantize=False``,
+    ``stored_gradients`` under ``order_backward``."""
+    with opaque_quantizes(not config.fuse_quantize), stored_gradients(config.order_backward):
+        yield
+
+
 def _inlined_whole(node: fx.Node) -> bool:
     """Whether the pattern pass inlines ``node`` (a ``graphpass::quantize``) with
     ``fused_quantize``: an inlinable recipe, not over token groups (offsets: one scale per token
@@ -254,7 +282,7 @@ def computes_input_in_loops(node: fx.Node) -> bool:
     if _OPAQUE.get() or not _inlined_whole(node):
         return False
     val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-    return isinstance(val, torch.Tensor) and not _stores_input(val)
+    return isinstance(val, torch.Tensor) and not _stores_input(val, node.args[2])
 
 
 def triton_weight_quantize(node: fx.Node) -> bool:
@@ -384,7 +412,7 @@ def _fused_blockwise(x: torch.Tensor, recipe: str, role: str, usage: str) -> lis
     return out
 
 
-def _input(x: torch.Tensor) -> torch.Tensor:
+def _input(x: torch.Tensor, role: str) -> torch.Tensor:
     """A quantize's input as its inlined loops read it: stored (``_stored``) for Inductor's C++
     code; as its producer's values on CUDA, where Inductor's Triton code computes an elementwise
     producer (a recomputed SwiGLU output, a SwiGLU gradient, a norm's output) inside the amax
@@ -395,13 +423,15 @@ def _input(x: torch.Tensor) -> torch.Tensor:
     (tensorwise 11.2 -> 9.4 GB, rowwise 11.6 -> 9.9, blockwise 12.2 -> 10.9) with the step
     peak (tensorwise 1,249 -> 1,201 MiB above weights, inputs and gradients; rowwise 1,441 ->
     1,169; blockwise 1,250 -> 1,204). The bits are the stored input's: ``emulate_precision_casts``
-    rounds the producer's bf16 values in registers as eager rounds them in memory."""
-    return _stored(x) if _stores_input(x) else x
+    rounds the producer's bf16 values in registers as eager rounds them in memory. Within
+    ``stored_gradients`` a gradient is stored on every device (``order_backward``)."""
+    return _stored(x) if _stores_input(x, role) else x
 
 
-def _stores_input(x: torch.Tensor) -> bool:
-    """Whether an inlined quantize of ``x`` stores it first: for Inductor's C++ code."""
-    return x.device.type == "cpu"
+def _stores_input(x: torch.Tensor, role: str) -> bool:
+    """Whether an inlined quantize of ``x`` in ``role`` stores it first: for Inductor's C++
+    code, and a gradient within ``stored_gradients``."""
+    return x.device.type == "cpu" or (role == "grad" and _STORED_GRADIENTS.get())
 
 
 def _stored(t: torch.Tensor) -> torch.Tensor:
@@ -428,9 +458,13 @@ def inline_quantizes(graph: fx.Graph) -> int:
         return _patterns().apply(graph)
 
 
-def post_grad_pass(source_hash: str, user_pass: Any) -> Any:
+def post_grad_pass(source_hash: str, user_pass: Any, *, order_backward: bool = False) -> Any:
     """An Inductor ``post_grad_custom_pre_pass`` that inlines quantizes after ``user_pass`` (the
-    one already configured, if any: a pass or a list of them, kept and run first)."""
+    one already configured, if any: a pass or a list of them, kept and run first); with
+    ``order_backward``, each gradient's quantizes read it stored (``stored_gradients``) and the
+    FP8 GEMMs' operand copies follow the graph's order (``gemm_order.order_gemm_operands``)."""
+    from .gemm_order import order_gemm_operands
+
     _compat.guard_cpp_loop_split()  # blockwise quantizes index their scales as k // 128
     user_passes = [] if user_pass is None else (
         list(user_pass) if isinstance(user_pass, (list, tuple)) else [user_pass])
@@ -439,11 +473,14 @@ def post_grad_pass(source_hash: str, user_pass: Any) -> Any:
         def __call__(self, graph: fx.Graph) -> None:
             for p in user_passes:
                 p(graph)
-            inline_quantizes(graph)
+            with stored_gradients(order_backward):
+                inline_quantizes(graph)
+            if order_backward:
+                order_gemm_operands(graph)
 
         def uuid(self) -> str:
-            parts = [source_hash] + [str(p.uuid()) if hasattr(p, "uuid") else repr(p)
-                                     for p in user_passes]
+            parts = [source_hash, f"order_backward={order_backward}"] + [
+                str(p.uuid()) if hasattr(p, "uuid") else repr(p) for p in user_passes]
             return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     return InlineQuantize()

@@ -1,0 +1,94 @@
+"""A GPU backward's FP8 GEMMs in the graph's order, each operand's FP8 copy made just before its
+GEMM: ``order_backward`` on CUDA.
+
+Inductor's scheduler fuses the quantizes of a backward's FP8 GEMM operands that read the same
+buffers into one kernel, wherever their GEMMs run: on a Llama-3-8B layer (seq 8192, FP8
+tensorwise) the SwiGLU backward's kernel writes five 112 MiB FP8 copies at once (both copies of
+the gate's and the up projection's input gradients, the SwiGLU output's transposed copy) while
+its three 224 MiB inputs are live, and the weight-gradient GEMMs that read them run after the
+attention backward. Its memory reorder (``reorder_for_peak_memory``) does not undo that, and did
+not keep the nodes ``graph/backward_order.py`` moves (an H200 measured the same peak with and
+without them).
+
+:func:`order_gemm_operands` says the order in a way Inductor keeps: each FP8 GEMM operand that the
+backward makes (the ``prims.inductor_force_stride_order`` that realizes an inlined quantize's
+copy, ``fp8/inductor.py``) depends on the GEMM before it in the graph's order, through torch's
+``control_deps`` (``torch._inductor.fx_passes.control_dependencies``: the scheduler and its
+memory reorder honour it). A quantize's copy is then written after the GEMM before its own, so
+no copy waits for a GEMM far ahead, and copies for different GEMMs are not fused into one
+kernel. With the gradients' quantizes reading a stored gradient (``fp8/inductor.py``,
+``stored_gradients``), each gradient's bf16 inputs die at the kernel that makes it, where
+Inductor writes the gradients into their dying buffers, as it does for bf16.
+
+Only the order of kernels changes: every op, argument and value is the same, so the gradients are
+the same bits with and without it (a stored bf16 gradient holds what the fused kernel rounds to
+bf16 in registers: ``emulate_precision_casts``). What it costs is bandwidth: the copies of two
+GEMMs' operands that read the same inputs read them once each, and a stored gradient is written
+and read once more (Inductor's byte estimate of the Llama layer's kernels: 9.72 GB against 11.68,
+``benchmarks/cuda_peak.py --kernel-bytes``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import _compat
+from . import ops
+
+_GEMMS = (torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_grouped_mm.default)
+_OPERANDS = 2  # mat1/mat_a and mat2/mat_b: the data operands of both torch GEMMs
+
+
+def _force_stride_order() -> object:
+    """``prims.inductor_force_stride_order``, which Inductor registers when it is imported (it
+    is, wherever a post-grad graph exists)."""
+    op = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return getattr(op, "default", None)
+
+
+def is_gemm(node: fx.Node) -> bool:
+    """Whether ``node`` runs an FP8 GEMM: torch's (an inlined ``graphpass::fp8_gemm``) or the
+    op itself (TE's, the reference provider's, one whose code does not trace)."""
+    return node.op == "call_function" and (node.target in _GEMMS or node.target is ops.FP8_GEMM)
+
+
+def operand_copies(gemm: fx.Node) -> list[fx.Node]:
+    """The nodes that realize ``gemm``'s FP8 data operands in the graph (through views): the
+    ``inductor_force_stride_order`` of an inlined GEMM's operand. Empty for the op itself, whose
+    operands are the quantize op's outputs."""
+    if gemm.target not in _GEMMS:
+        return []
+    force_stride_order = _force_stride_order()
+    out = []
+    for arg in gemm.args[:_OPERANDS]:
+        while isinstance(arg, fx.Node) and arg.op == "call_function" and arg.args \
+                and _compat.is_op_overload(arg.target) and arg.target.is_view:
+            arg = arg.args[0]
+        if isinstance(arg, fx.Node) and arg.target is force_stride_order and arg not in out:
+            out.append(arg)
+    return out
+
+
+def order_gemm_operands(graph: fx.Graph) -> dict[str, str]:
+    """Make each FP8 GEMM operand copy of ``graph`` (``operand_copies``) depend on the FP8 GEMM
+    before its own in the graph's order (a copy an earlier GEMM reads too stays where it is):
+    ``{copy: the GEMM it now follows}``, by node name. Nothing where ``graph`` has fewer than two
+    FP8 GEMMs."""
+    deps_cls = _compat.control_dependencies()
+    if deps_cls is None:
+        return {}
+    preserve_node_ordering, ordered_set = deps_cls
+    gemms = [n for n in graph.nodes if is_gemm(n)]
+    deps: dict[fx.Node, object] = {}
+    done: set[fx.Node] = set()
+    for before, gemm in zip(gemms, gemms[1:]):
+        done.update(operand_copies(before))
+        for copy in operand_copies(gemm):
+            if copy not in done:
+                deps[copy] = ordered_set([before])
+                done.add(copy)
+    ordered = {copy.name: list(after)[0].name for copy, after in deps.items()}
+    if deps:
+        preserve_node_ordering(graph, deps)
+    return ordered

@@ -1,0 +1,92 @@
+"""fp8/gemm_order.py: ``order_backward``'s order of a GPU backward's FP8 GEMMs, as torch's
+``control_deps`` constraints on the post-grad graph (each GEMM's operand copies after the GEMM
+before it). Checked here on a graph written by hand; ``tests/test_cuda_peak.py`` checks what
+it does to Inductor's CUDA code of a Llama-3-8B layer."""
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+from graphpass import _compat
+from graphpass.fp8 import gemm_order, ops
+
+pytestmark = pytest.mark.skipif(_compat.control_dependencies() is None,
+                                reason="this torch has no control_deps")
+
+
+def _graph():
+    """Three inlined FP8 GEMMs, as ``fp8/inductor.py`` writes them: each data operand a
+    ``prims.inductor_force_stride_order`` (the second one seen through a transpose); the third
+    GEMM reads the first one's copy again."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers inductor_force_stride_order)
+
+    force = torch.ops.prims.inductor_force_stride_order.default
+    mm = torch.ops.aten._scaled_mm.default
+    g = fx.Graph()
+    x, w, s = g.placeholder("x"), g.placeholder("w"), g.placeholder("s")
+    a1, b1 = g.call_function(force, (x, [1, 0])), g.call_function(force, (w, [1, 0]))
+    y1 = g.call_function(mm, (a1, g.call_function(torch.ops.aten.permute.default, (b1, [1, 0])),
+                              s, s))
+    a2 = g.call_function(force, (y1, [1, 0]))
+    b2 = g.call_function(force, (w, [0, 1]))
+    y2 = g.call_function(mm, (a2, g.call_function(torch.ops.aten.t.default, (b2,)), s, s))
+    a3 = g.call_function(force, (y2, [1, 0]))
+    y3 = g.call_function(mm, (a3, b1, s, s))
+    g.output((y1, y2, y3))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_each_gemms_operand_copies_follow_the_gemm_before_it():
+    gm = _graph()
+    names = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default]
+    assert gemm_order.operand_copies(gm.graph.find_nodes(
+        op="call_function", target=torch.ops.aten._scaled_mm.default)[0]) != []
+    ordered = gemm_order.order_gemm_operands(gm.graph)
+    # the second GEMM's two copies after the first GEMM, the third's own copy after the second;
+    # the first GEMM's weight copy, which the third reads again, stays where it is
+    first, second, _ = names
+    assert ordered == {"inductor_force_stride_order_default_2": first,
+                       "inductor_force_stride_order_default_3": first,
+                       "inductor_force_stride_order_default_4": second}
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    wrapped = {n.name: n for n in gm.graph.nodes if n.target is control_deps}
+    assert set(wrapped) == set(ordered)  # the copies keep their names
+    for copy, after in ordered.items():
+        assert [d.name for d in wrapped[copy].args[0]] == [after]
+    gm.graph.lint()
+
+
+def test_a_graph_with_one_gemm_or_the_op_itself_is_left_alone():
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    q = g.call_function(ops.QUANTIZE, (a, "tensorwise", "grad", "rowwise"))
+    data = g.call_function(operator.getitem, (q, 0))
+    out = g.call_function(ops.FP8_GEMM, (data, b, data, b, "tensorwise", "grad,weight"))
+    g.output(out)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert gemm_order.is_gemm(out) and gemm_order.operand_copies(out) == []
+    assert gemm_order.order_gemm_operands(gm.graph) == {}
+    assert gemm_order.order_gemm_operands(_graph().graph)  # the hand-written graph is ordered
+
+
+def test_stored_gradients_store_a_gradients_quantize_input_only():
+    """Within ``stored_gradients`` an inlined quantize of a gradient reads it from a buffer of
+    its own on CUDA too, and the step-peak model is told (``computes_input_in_loops``)."""
+    from graphpass.fp8 import inductor
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        x.meta["val"] = torch.empty(64, 64, dtype=torch.bfloat16, device="meta")
+    grad = g.call_function(ops.QUANTIZE, (x, "tensorwise", "grad", "rowwise"))
+    inp = g.call_function(ops.QUANTIZE, (x, "tensorwise", "input", "rowwise"))
+    cuda = torch.empty(64, 64, dtype=torch.bfloat16, device="meta")
+    assert not inductor._stores_input(cuda, "grad")
+    with inductor.stored_gradients():
+        assert inductor._stores_input(cuda, "grad") and not inductor._stores_input(cuda, "input")
+        assert not inductor.computes_input_in_loops(grad)
+        assert inductor.computes_input_in_loops(inp)
+    assert inductor.computes_input_in_loops(grad)
