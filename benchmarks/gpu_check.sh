@@ -10,7 +10,8 @@
 # any (the GPU machine has no network; `pip download --no-deps torchao==0.17.0 -d .whl` on a
 # machine that has). Stages, in the order of what they decide:
 #   1. steps.md     real-size Llama-3-8B and GPT-3 layers: bf16 Inductor, graphpass FP8
-#                   tensorwise (default) and blockwise (kernels=auto), torchao float8; the
+#                   tensorwise (default, and with order_backward) and blockwise
+#                   (kernels=auto), torchao float8; the
 #                   measured activations against graphpass.plan; PASS/FAIL lines
 #   2. experts.md   16 DeepSeek-V3-shaped experts over 8,192 and 32,768 routed tokens: bf16
 #                   against FP8 rowwise and tensorwise e4m3, with their kernel profiles
@@ -25,7 +26,8 @@ cd "$(dirname "$0")/.."
 out="${1:-gpu_check}"
 source benchmarks/_gpu_stages.sh
 stage steps 200 python3 benchmarks/gpu_report.py --models llama gpt --no-pytest --sections steps \
-    --budget-s 180 --configs "scaled_mm, default" blockwise torchao --out "$out/steps.md"
+    --budget-s 180 --configs "scaled_mm, default" order_backward blockwise torchao \
+    --out "$out/steps.md"
 stage experts 150 python3 benchmarks/experts_fp8.py --cases experts_8k experts_32k \
     --configs rowwise "tensorwise e4m3" --out "$out/experts.md"
 stage profile_llama 60 python3 benchmarks/profile_step.py --model llama --fp8 tensorwise \
