@@ -331,14 +331,16 @@ def extern_calls(source: str) -> dict[str, int]:
         r"(extern_kernels\.\w+|torch\.ops\.\w+\.\w+)(?:\.default)?\(", _step_code(source))))
 
 
-def model_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> Any:
+def model_peak(fw: fx.GraphModule, bw: fx.GraphModule, options: dict[str, Any]) -> Any:
     """graphpass's step-peak model (``graph/peak.step_peak``) on ``fw`` and ``bw`` with their
     tensors on ``cuda``: fake tensors propagated afresh under the sm_90 patches, as the graphs a
     GPU compiles (a quantize then computes its input in its own loops; the kernels run in the
-    order of Inductor's ``reorder_for_peak_memory``). What the backend reports on a GPU."""
+    order of Inductor's ``reorder_for_peak_memory``), with the quantizes' code of ``options``
+    (``fp8.inductor.quantize_code``). What the backend reports on a GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+    from graphpass.fp8.inductor import quantize_code
     from graphpass.graph.peak import step_peak
 
     num_fwd_outputs = fw.meta["num_fwd_outputs"]
@@ -348,7 +350,8 @@ def model_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> Any:
             stack.enter_context(patch)
         for gm in (fw, bw):
             FakeTensorProp(_on_cuda(gm), mode).propagate(*_cuda_fakes(gm, mode))
-        return step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs, parameter_names=set())
+        with quantize_code(graphpass.Config(**options)):
+            return step_peak(fw, bw, num_fwd_outputs=num_fwd_outputs, parameter_names=set())
 
 
 def _storage_bytes(tensors) -> int:
@@ -377,7 +380,7 @@ def cuda_step_peak(model_name: str, size: str, options: dict[str, Any], layers: 
     from torch.distributed._tools.mem_tracker import MemTracker
 
     fw, bw = partitioned(model_name, size, layers, options, partitioner)
-    predicted = model_peak(copy.deepcopy(fw), copy.deepcopy(bw)) if predict else None
+    predicted = model_peak(copy.deepcopy(fw), copy.deepcopy(bw), options) if predict else None
     allocations = _Allocations()
     allocations.live = live
     mode = FakeTensorMode()

@@ -25,7 +25,7 @@ def _graph():
     force = torch.ops.prims.inductor_force_stride_order.default
     mm = torch.ops.aten._scaled_mm.default
     g = fx.Graph()
-    x, w, s = g.placeholder("x"), g.placeholder("w"), g.placeholder("s")
+    x, w, s = g.placeholder("tangents_1"), g.placeholder("w"), g.placeholder("s")
     a1, b1 = g.call_function(force, (x, [1, 0])), g.call_function(force, (w, [1, 0]))
     y1 = g.call_function(mm, (a1, g.call_function(torch.ops.aten.permute.default, (b1, [1, 0])),
                               s, s))
@@ -59,9 +59,45 @@ def test_each_gemms_operand_copies_follow_the_gemm_before_it():
     gm.graph.lint()
 
 
+def test_a_forward_is_left_alone():
+    gm = _graph()
+    gm.graph.find_nodes(op="placeholder")[0].name = "primals_1"
+    assert not gemm_order.is_backward(gm.graph)
+    assert gemm_order.order_gemm_operands(gm.graph) == {}
+
+
+def test_the_step_peak_model_plans_the_same_order_on_the_ops():
+    """Before the inlining (the partitioned graphs the step-peak model reads), the copies are
+    the quantize ops' outputs: within ``ordered_gemms`` (``order_backward``), each quantize that
+    makes a later GEMM's operand runs after the GEMM before it; a quantize two GEMMs read (the
+    gradient's, for its data and weight gradients) is placed by the first."""
+    g = fx.Graph()
+    grad, x, w = g.placeholder("tangents_1"), g.placeholder("x"), g.placeholder("primals_1")
+
+    def quantize(t, role, usage):
+        q = g.call_function(ops.QUANTIZE, (t, "tensorwise", role, usage))
+        return q, g.call_function(operator.getitem, (q, 0)), g.call_function(operator.getitem,
+                                                                              (q, 1))
+
+    qg, gd, gs = quantize(grad, "grad", "both")
+    qw, wd, ws = quantize(w, "weight", "columnwise")
+    dgrad = g.call_function(ops.FP8_GEMM, (gd, gs, wd, ws, "tensorwise", "grad,weight"))
+    qx, xd, xs = quantize(x, "input", "columnwise")
+    wgrad = g.call_function(ops.FP8_GEMM, (gd, gs, xd, xs, "tensorwise", "grad,input"))
+    qh, hd, hs = quantize(dgrad, "grad", "rowwise")
+    again = g.call_function(ops.FP8_GEMM, (hd, hs, wd, ws, "tensorwise", "grad,weight"))
+    g.output((dgrad, wgrad, again))
+    assert gemm_order.operand_quantizes(dgrad) == [qg, qw]
+    assert gemm_order.planned_order(g) == {}  # without order_backward
+    with gemm_order.ordered_gemms():
+        assert gemm_order.planned_order(g) == {qx: dgrad, qh: wgrad}
+        g.find_nodes(op="placeholder")[0].name = "x_grad"  # no tangents: a forward
+        assert gemm_order.planned_order(g) == {}
+
+
 def test_a_graph_with_one_gemm_or_the_op_itself_is_left_alone():
     g = fx.Graph()
-    a, b = g.placeholder("a"), g.placeholder("b")
+    a, b = g.placeholder("tangents_1"), g.placeholder("b")
     q = g.call_function(ops.QUANTIZE, (a, "tensorwise", "grad", "rowwise"))
     data = g.call_function(operator.getitem, (q, 0))
     out = g.call_function(ops.FP8_GEMM, (data, b, data, b, "tensorwise", "grad,weight"))

@@ -429,8 +429,8 @@ def test_order_backward_is_off_unless_asked():
 def test_order_backward_on_a_gpu_says_what_inductors_code_does(device, fp8):
     """An FP8 backward compiled for a GPU with ``order_backward`` gets a note of what its code
     does there (each FP8 GEMM's operand copies after the GEMM before it, gradients quantized from
-    buffers of their own: ``fp8/gemm_order.py``) and that the predicted peak does not model it;
-    a bf16 one, and any on the CPU, only the notes of what ``order_for_memory`` moved."""
+    buffers of their own: ``fp8/gemm_order.py``) and how its predicted peak compared; a bf16
+    one, and any on the CPU, only the notes of what ``order_for_memory`` moved."""
     from graphpass import min_cut
     from graphpass.decisions import Plan
     from graphpass.graph.backward_order import Moved
@@ -448,7 +448,7 @@ def test_order_backward_on_a_gpu_says_what_inductors_code_does(device, fp8):
     notes = [str(d) for d in plan.decisions]
     gpu = [n for n in notes if "operand copies are made after the GEMM before it" in n]
     assert len(gpu) == (device == "cuda" and fp8 is not None), notes  # once per plan
-    assert all("does not model that order" in n for n in gpu), notes
+    assert all("the predicted step peak, which follows that order" in n for n in gpu), notes
     assert any("moved to follow add" in n for n in notes), notes
 
 
@@ -602,6 +602,61 @@ def test_inductors_reorder_for_peak_memory_runs_on_a_gpu_only(device):
     assert peak.device == device
     assert peak.bytes == (66_048 if device == "cuda" else 82_176)
     assert peak.node == (rb if device == "cuda" else ra).name
+
+
+def test_the_reorder_keeps_order_backwards_gemm_order():
+    """Under ``order_backward`` on a GPU (``fp8.gemm_order.ordered_gemms``) the model's reorder
+    runs each quantize that makes a later FP8 GEMM's operand after the GEMM before it, and two
+    quantizes of one input that run after different GEMMs are two nodes. Here the second GEMM's
+    quantize, which the graph's order puts first, moves after the first GEMM."""
+    import operator
+
+    import torch.fx as fx
+
+    from graphpass.fp8 import gemm_order, ops
+    from graphpass.graph.inductor_kernels import inductor_kernels
+    from graphpass.graph.inductor_reorder import reorder_for_peak
+
+    fake = _fakes_on("cuda")
+    g = fx.Graph()
+    grad, w = g.placeholder("tangents_1"), g.placeholder("primals_1")
+    grad.meta["val"], w.meta["val"] = fake((64, 32)), fake((32, 32))
+    scaled = g.call_function(torch.ops.aten.mul.Tensor, (grad, grad))
+    scaled.meta["val"] = fake((64, 32))
+
+    def quantize(t, role):
+        q = g.call_function(ops.QUANTIZE, (t, "tensorwise", role, "rowwise"))
+        q.meta["val"] = [fake(tuple(t.meta["val"].shape), torch.float8_e4m3fn),
+                         fake((), torch.float32)]
+        items = []
+        for i in range(2):
+            items.append(g.call_function(operator.getitem, (q, i)))
+            items[-1].meta["val"] = q.meta["val"][i]
+        return q, items
+
+    late, (ld, ls) = quantize(scaled, "grad")  # the second GEMM's, first in the graph
+    first, (fd, fs) = quantize(scaled, "input")
+    qw, (wd, ws) = quantize(w, "weight")
+    gemms = []
+    for data, scale in ((fd, fs), (ld, ls)):
+        gemms.append(g.call_function(ops.FP8_GEMM, (data, scale, wd, ws, "tensorwise",
+                                                    "grad,weight")))
+        gemms[-1].meta["val"] = fake((64, 32))
+    g.output(tuple(gemms))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    kernels, reads = inductor_kernels(gm)
+    sids = lambda n: [id(v) for v in (n.meta["val"] if isinstance(n.meta["val"], list)  # noqa
+                                      else [n.meta["val"]])]
+
+    def order(on):
+        with gemm_order.ordered_gemms(on):
+            ran = reorder_for_peak(kernels, reads, sids, lambda s: 1, set(), set(), set())
+        return [n.name for kernel in ran for n in kernel]
+
+    assert order(False).index(late.name) < order(False).index(gemms[0].name)
+    ordered = order(True)
+    assert ordered.index(gemms[0].name) < ordered.index(late.name) < ordered.index(
+        gemms[1].name), ordered
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

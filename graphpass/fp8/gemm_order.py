@@ -20,6 +20,10 @@ kernel. With the gradients' quantizes reading a stored gradient (``fp8/inductor.
 ``stored_gradients``), each gradient's bf16 inputs die at the kernel that makes it, where
 Inductor writes the gradients into their dying buffers, as it does for bf16.
 
+The step-peak model reads the partitioned graphs, before the inlining: there the copies are the
+quantize ops' outputs, and ``planned_order`` gives it the same order (``operand_quantizes``),
+which ``graph/inductor_reorder.py`` keeps in its model of Inductor's reorder.
+
 Only the order of kernels changes: every op, argument and value is the same, so the gradients are
 the same bits with and without it (a stored bf16 gradient holds what the fused kernel rounds to
 bf16 in registers: ``emulate_precision_casts``). What it costs is bandwidth: the copies of two
@@ -29,6 +33,11 @@ and read once more (Inductor's byte estimate of the Llama layer's kernels: 9.72 
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import operator
+from typing import Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -70,25 +79,78 @@ def operand_copies(gemm: fx.Node) -> list[fx.Node]:
     return out
 
 
-def order_gemm_operands(graph: fx.Graph) -> dict[str, str]:
-    """Make each FP8 GEMM operand copy of ``graph`` (``operand_copies``) depend on the FP8 GEMM
-    before its own in the graph's order (a copy an earlier GEMM reads too stays where it is):
-    ``{copy: the GEMM it now follows}``, by node name. Nothing where ``graph`` has fewer than two
-    FP8 GEMMs."""
-    deps_cls = _compat.control_dependencies()
-    if deps_cls is None:
-        return {}
-    preserve_node_ordering, ordered_set = deps_cls
+def operand_quantizes(gemm: fx.Node) -> list[fx.Node]:
+    """The ``graphpass::quantize`` nodes whose outputs are the FP8 data operands of ``gemm`` (a
+    ``graphpass::fp8_gemm`` of a partitioned graph, before the inlining): where the backward
+    makes the copies that ``operand_copies`` realizes after it."""
+    if gemm.target is not ops.FP8_GEMM:
+        return []
+    out = []
+    for arg in (gemm.args[0], gemm.args[2]):
+        while isinstance(arg, fx.Node) and (arg.target is operator.getitem or (
+                _compat.is_op_overload(arg.target) and arg.target.is_view)):
+            arg = arg.args[0]
+        if isinstance(arg, fx.Node) and arg.target is ops.QUANTIZE and arg not in out:
+            out.append(arg)
+    return out
+
+
+def is_backward(graph: fx.Graph) -> bool:
+    """Whether ``graph`` is a backward: AOTAutograd names its output gradients ``tangents_*``."""
+    return any(p.name.startswith("tangents") for p in graph.find_nodes(op="placeholder"))
+
+
+def operand_order(graph: fx.Graph, copies: Callable[[fx.Node], list[fx.Node]]
+                  ) -> dict[fx.Node, fx.Node]:
+    """Each FP8 GEMM operand copy of ``graph`` (``copies(gemm)``) that no earlier FP8 GEMM reads,
+    with the FP8 GEMM before its own in the graph's order."""
     gemms = [n for n in graph.nodes if is_gemm(n)]
-    deps: dict[fx.Node, object] = {}
+    after: dict[fx.Node, fx.Node] = {}
     done: set[fx.Node] = set()
     for before, gemm in zip(gemms, gemms[1:]):
-        done.update(operand_copies(before))
-        for copy in operand_copies(gemm):
+        done.update(copies(before))
+        for copy in copies(gemm):
             if copy not in done:
-                deps[copy] = ordered_set([before])
+                after[copy] = before
                 done.add(copy)
-    ordered = {copy.name: list(after)[0].name for copy, after in deps.items()}
-    if deps:
-        preserve_node_ordering(graph, deps)
-    return ordered
+    return after
+
+
+def order_gemm_operands(graph: fx.Graph) -> dict[str, str]:
+    """In a backward ``graph`` (``is_backward``), make each FP8 GEMM operand copy
+    (``operand_copies``) depend on the FP8 GEMM before its own in the graph's order (a copy an
+    earlier GEMM reads too stays where it is): ``{copy: the GEMM it now follows}``, by node
+    name. Nothing in a forward, nor where ``graph`` has fewer than two FP8 GEMMs."""
+    deps_cls = _compat.control_dependencies()
+    if deps_cls is None or not is_backward(graph):
+        return {}
+    preserve_node_ordering, ordered_set = deps_cls
+    after = operand_order(graph, operand_copies)
+    if after:
+        preserve_node_ordering(graph, {copy: ordered_set([gemm]) for copy, gemm in after.items()})
+    return {copy.name: gemm.name for copy, gemm in after.items()}
+
+
+_ORDERED: contextvars.ContextVar[bool] = contextvars.ContextVar("graphpass_gemm_order",
+                                                               default=False)
+
+
+@contextlib.contextmanager
+def ordered_gemms(on: bool = True) -> Iterator[None]:
+    """Within it (``on``), the step-peak model runs a GPU backward's quantizes as
+    ``order_gemm_operands`` orders them (``planned_order``): the graphs are compiled with
+    ``order_backward``."""
+    token = _ORDERED.set(on)
+    try:
+        yield
+    finally:
+        _ORDERED.reset(token)
+
+
+def planned_order(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """For the step-peak model of a partitioned graph compiled for a GPU: within
+    ``ordered_gemms``, each quantize of a backward that makes an FP8 GEMM's operand no earlier
+    GEMM reads (``operand_quantizes``), with the FP8 GEMM it runs after; else nothing."""
+    if not _ORDERED.get() or not is_backward(graph):
+        return {}
+    return operand_order(graph, operand_quantizes)

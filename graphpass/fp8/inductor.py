@@ -259,9 +259,13 @@ def stored_gradients(stored: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def quantize_code(config: Any) -> Iterator[None]:
     """How the quantizes of graphs compiled under ``config`` (a ``graphpass.Config``) read their
-    inputs, for the step-peak model: ``opaque_quantizes`` under ``fuse_quantize=False``,
-    ``stored_gradients`` under ``order_backward``."""
-    with opaque_quantizes(not config.fuse_quantize), stored_gradients(config.order_backward):
+    inputs and when they run, for the step-peak model: ``opaque_quantizes`` under
+    ``fuse_quantize=False``, ``stored_gradients`` and ``gemm_order.ordered_gemms`` under
+    ``order_backward``."""
+    from .gemm_order import ordered_gemms
+
+    with opaque_quantizes(not config.fuse_quantize), stored_gradients(config.order_backward), \
+            ordered_gemms(config.order_backward):
         yield
 
 

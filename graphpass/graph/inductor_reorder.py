@@ -32,6 +32,12 @@ live to its last quantize, picks the least-peak-first order where Inductor keeps
 Inductor's CUDA code; with it the scheduler's order stays (2,449,702,920 B; 2.278 GiB measured
 on an H200).
 
+Under ``order_backward`` on a GPU a backward's quantizes that make an FP8 GEMM's operand run
+after the GEMM before it (``fp8.gemm_order.planned_order``, the control dependencies
+``fp8/gemm_order.py`` gives Inductor): the baseline is the scheduler's order with those
+dependencies, every order keeps them, and quantizes that run after different GEMMs are not one
+node (the Llama-3-8B FP8 layer: 1.051 of its CUDA code's step peak).
+
 Limits: the kernels are the model's, not Inductor's scheduler nodes (a multi-output op's
 results are allocated with it and freed together with what reads any of them; a quantize's
 amax and cast are one kernel); Inductor's
@@ -46,6 +52,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+from ..fp8.gemm_order import planned_order
 from ..fp8.inductor import computes_input_in_loops
 
 
@@ -56,10 +63,16 @@ def reorder_for_peak(kernels: list[list[fx.Node]], reads: Any, sids: Callable[[f
     kernel node reads, ``sids(node)`` its storages, ``nbytes(s)`` a storage's bytes; ``live`` the
     storages live as the graph starts, ``freeable`` those of them Inductor may free, ``outputs``
     the graph's outputs' storages."""
-    groups = _fused_quantizes(kernels, reads, sids)
+    after = _after_gemms(kernels)
+    groups = _fused_quantizes(kernels, reads, sids, after)
     merged = [[n for k in group for n in kernels[k]] for group in groups]
-    plan = _Plan(merged, reads, sids, nbytes, live, freeable, outputs)
-    best, best_peak = None, plan.peak(range(len(merged)))
+    group_of = {k: g for g, group in enumerate(groups) for k in group}
+    constraints: dict[int, set[int]] = {}
+    for k, gemm in after.items():
+        constraints.setdefault(group_of[k], set()).add(group_of[gemm])
+    plan = _Plan(merged, reads, sids, nbytes, live, freeable, outputs, constraints)
+    best = plan.scheduled() if constraints else None
+    best_peak = plan.peak(best if best is not None else range(len(merged)))
     for sort in (plan.lpmf, plan.bfs, plan.dfs):
         order = sort()
         peak = plan.peak(order)
@@ -70,18 +83,34 @@ def reorder_for_peak(kernels: list[list[fx.Node]], reads: Any, sids: Callable[[f
     return [kernels[k] for g in best for k in groups[g]]
 
 
-def _fused_quantizes(kernels: list[list[fx.Node]], reads: Any, sids: Any) -> list[list[int]]:
+def _after_gemms(kernels: list[list[fx.Node]]) -> dict[int, int]:
+    """Under ``order_backward`` on a GPU (``fp8.gemm_order.planned_order``): each kernel of an
+    FP8 GEMM operand's quantize, by index, with the kernel of the FP8 GEMM it runs after (the
+    control dependency Inductor's scheduler and reorder keep)."""
+    if not kernels:
+        return {}
+    planned = planned_order(kernels[0][0].graph)
+    if not planned:
+        return {}
+    owner = {n: k for k, kernel in enumerate(kernels) for n in kernel}
+    return {owner[q]: owner[gemm] for q, gemm in planned.items() if q in owner and gemm in owner}
+
+
+def _fused_quantizes(kernels: list[list[fx.Node]], reads: Any, sids: Any,
+                     after: dict[int, int] | None = None) -> list[list[int]]:
     """The kernels as Inductor's scheduler nodes, by index, in the order of their first: the
     quantizes inlined on a GPU (``fp8.inductor.computes_input_in_loops``) that read the same
     buffers and write as many elements are one node there (its horizontal fusion runs their
-    amaxes as one kernel and their casts as one), the other kernels one each."""
+    amaxes as one kernel and their casts as one), unless they run after different GEMMs
+    (``after``); the other kernels one each."""
+    after = after or {}
     groups: list[list[int]] = []
     by_key: dict[tuple, list[int]] = {}
     for k, kernel in enumerate(kernels):
         node = kernel[0]
         if len(kernel) == 1 and computes_input_in_loops(node):
             key = (tuple(sorted({s for i in reads(node) for s in sids(i)})),
-                   str(node.args[0].meta["val"].numel()))
+                   str(node.args[0].meta["val"].numel()), after.get(k))
             if key in by_key:
                 by_key[key].append(k)
                 continue
@@ -96,7 +125,8 @@ class _Plan:
     """The kernels' dependency graph and buffers, by kernel index (the baseline order)."""
 
     def __init__(self, kernels: list[list[fx.Node]], reads: Any, sids: Any, nbytes: Any,
-                 live: set[int], freeable: set[int], outputs: set[int]) -> None:
+                 live: set[int], freeable: set[int], outputs: set[int],
+                 constraints: dict[int, set[int]] | None = None) -> None:
         n = len(kernels)
         producer: dict[int, int] = {}
         self.made: list[list[int]] = [[] for _ in range(n)]  # each kernel's new storages
@@ -120,6 +150,8 @@ class _Plan:
                         self.pred_bufs[k].add(s)
                         if p is not None:
                             self.preds[k].add(p)
+        for k, ps in (constraints or {}).items():  # kernels that run after others, no buffer
+            self.preds[k] |= ps - {k}
         self.succs: list[set[int]] = [set() for _ in range(n)]
         for k, ps in enumerate(self.preds):
             for p in ps:
@@ -150,6 +182,11 @@ class _Plan:
             now += d
             most = max(most, now)
         return most
+
+    def scheduled(self) -> list[int]:
+        """The scheduler's order: the kernels in the baseline's order, each after what it
+        depends on, those first in the baseline's order (``topological_sort_schedule``)."""
+        return _depth_first(range(self.n), [sorted(p) for p in self.preds])
 
     def lpmf(self) -> list[int]:
         """Least peak memory first (``topological_sort_lpmf``)."""
@@ -208,21 +245,27 @@ class _Plan:
         weight = [(self.alloc[k] + sum(self.size[s] for s in self.pred_bufs[k]), k)
                   for k in range(self.n)]
         deps = [sorted(self.preds[k], key=weight.__getitem__) for k in range(self.n)]
-        seen = [False] * self.n
-        order: list[int] = []
-        for root in sorted(range(self.n), key=weight.__getitem__):
-            if seen[root]:
-                continue
-            seen[root] = True
-            stack = [(root, iter(deps[root]))]
-            while stack:
-                top, todo = stack[-1]
-                for d in todo:
-                    if not seen[d]:
-                        seen[d] = True
-                        stack.append((d, iter(deps[d])))
-                        break
-                else:
-                    stack.pop()
-                    order.append(top)
-        return order
+        return _depth_first(sorted(range(self.n), key=weight.__getitem__), deps)
+
+
+def _depth_first(roots: Any, deps: list[list[int]]) -> list[int]:
+    """The kernels from ``roots`` in turn, each after its ``deps`` (visited in their order,
+    depth first)."""
+    seen = [False] * len(deps)
+    order: list[int] = []
+    for root in roots:
+        if seen[root]:
+            continue
+        seen[root] = True
+        stack = [(root, iter(deps[root]))]
+        while stack:
+            top, todo = stack[-1]
+            for d in todo:
+                if not seen[d]:
+                    seen[d] = True
+                    stack.append((d, iter(deps[d])))
+                    break
+            else:
+                stack.pop()
+                order.append(top)
+    return order
