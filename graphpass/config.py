@@ -556,8 +556,9 @@ class Config:
     scheduler keeps) and each gradient is quantized from a buffer of its own: Inductor's CUDA
     code of the Llama-3-8B FP8 layer then holds 913 MiB above weights, inputs and gradients
     instead of 1,201 (bf16: 1,009), for about 20% more bytes moved by its kernels (the
-    step-peak model follows that order); not yet measured on a GPU. On the CPU, each group of reductions Inductor's C++ code runs as one
-    kernel (a layer's norm weight gradients) moves beside the last buffer they read, so the
+    step-peak model follows that order); not yet measured on a GPU. On the CPU, each group of
+    reductions Inductor's C++ code runs as one kernel (a layer's norm weight gradients) moves
+    beside the last buffer they read, so the
     weight-gradient quantizes and GEMMs between them run beside their data gradients (a report
     note says what moved; +4.3% step time on the FP8 tiny Llama). Either way only the order of
     kernels changes: gradients are bit-identical with and without it. Off by default."""
