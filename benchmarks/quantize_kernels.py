@@ -286,6 +286,9 @@ SWEEP = [
     dict(rows_block=(1, 2048)),
     dict(rows_block=(4, 1024)),
     dict(rows_block=(2, 2048), rows_warps=8),
+    # the rowwise kernel's second read from the rows' last tile (the one read last)
+    dict(rows_reverse=True),
+    dict(rows_reverse=True, rows_block=(4, 1024)),
     # both passes one tile a program; with the rowwise kernel's strips wider
     dict(amax_block=(32, 512), amax_n_chunk=32, cast_k_chunk=128),
     dict(amax_block=(32, 512), amax_n_chunk=32, cast_k_chunk=128, rows_block=(4, 1024)),

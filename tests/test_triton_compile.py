@@ -109,6 +109,8 @@ def _variants() -> list[tuple[str, object]]:
     common = dict(fp8_dtype=recipes.E4M3, fp8_max=448.0, power_2_scales=False, amax_epsilon=0.0)
     weights, tokens = torch.randn(2, 48, 80, dtype=torch.bfloat16), torch.randn(100, 80,
                                                                                dtype=torch.bfloat16)
+    out.append(("experts-rows-reversed", lambda w=weights: tq.quantize_experts_rowwise(
+        w, rows=True, cols=False, config=tq.KernelConfig(rows_reverse=True), **common)))
     for stages in (1, 4):
         out.append((f"experts-both-stages{stages}", lambda w=weights, s=stages:
                     tq.quantize_experts_rowwise(w, rows=True, cols=True,

@@ -44,6 +44,8 @@ CASES: dict[str, tuple] = {
                          None, None, SMALL),
     "ragged_bf16_rows_two_passes": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
                                     "rowwise", None, None, SMALL | dict(fuse_rows=False)),
+    "ragged_bf16_rows_reversed": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
+                                  "rowwise", None, None, SMALL | dict(rows_reverse=True)),
     "ragged_bf16_cols": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight", "columnwise",
                          None, None, SMALL),
     "ragged_bf16_both_one_stage": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
