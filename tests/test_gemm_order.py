@@ -126,3 +126,38 @@ def test_stored_gradients_store_a_gradients_quantize_input_only():
         assert not inductor.computes_input_in_loops(grad)
         assert inductor.computes_input_in_loops(inp)
     assert inductor.computes_input_in_loops(grad)
+
+
+def test_an_ops_computed_operands_get_a_realization_to_order():
+    """A ``graphpass::fp8_gemm`` op (TE's, cuBLASLt's blockwise GEMM) reads the copies an inlined
+    quantize computes: each gets an ``inductor_force_stride_order`` of its own strides (the op
+    fixes its inputs' stride order anyway), which the order then constrains like an inlined
+    GEMM's. A placeholder operand is left as it is."""
+    import torch._inductor.inductor_prims  # noqa: F401
+
+    mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    g = fx.Graph()
+    grad, w, s = g.placeholder("tangents_1"), g.placeholder("w"), g.placeholder("s")
+    with mode:
+        for p in (grad, w, s):
+            p.meta["val"] = torch.empty(8, 8)
+    gemms = []
+    source = grad
+    for _ in range(2):
+        copy = g.call_function(torch.ops.aten.mul.Tensor, (source, s))
+        copy.meta["val"] = grad.meta["val"]
+        gemm = g.call_function(ops.FP8_GEMM, (copy, s, w, s, "blockwise", "grad,weight"))
+        gemm.meta["val"] = grad.meta["val"]
+        gemms.append(gemm)
+        source = gemm
+    g.output(tuple(gemms))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    ordered = gemm_order.order_gemm_operands(gm.graph)
+    gm.graph.lint()
+    force = torch.ops.prims.inductor_force_stride_order.default
+    first, second = gm.graph.find_nodes(op="call_function", target=ops.FP8_GEMM)
+    held = [first.args[0], second.args[0]]
+    assert first.args[2] is w and second.args[2] is w  # placeholders: nothing to realize
+    assert held[0].target is force and held[0].args[1] == [8, 1]
+    assert held[0].meta["val"] is not held[0].args[0].meta["val"]  # a fake of its own
+    assert ordered == {held[1].name: first.name}

@@ -12,7 +12,8 @@ without them).
 
 :func:`order_gemm_operands` says the order in a way Inductor keeps: each FP8 GEMM operand that the
 backward makes (the ``prims.inductor_force_stride_order`` that realizes an inlined quantize's
-copy, ``fp8/inductor.py``) depends on the GEMM before it in the graph's order, through torch's
+copy, ``fp8/inductor.py``, or one ``realize_op_operands`` gives an op's operand) depends on the
+GEMM before it in the graph's order, through torch's
 ``control_deps`` (``torch._inductor.fx_passes.control_dependencies``: the scheduler and its
 memory reorder honour it). A quantize's copy is then written after the GEMM before its own, so
 no copy waits for a GEMM far ahead, and copies for different GEMMs are not fused into one
@@ -62,15 +63,21 @@ def is_gemm(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in _GEMMS or node.target is ops.FP8_GEMM)
 
 
+def _data_operands(gemm: fx.Node) -> tuple:
+    """``gemm``'s FP8 data operands: torch's GEMMs' first two arguments, the op's ``a`` and
+    ``b``."""
+    if gemm.target is ops.FP8_GEMM:
+        return gemm.args[0], gemm.args[2]
+    return gemm.args[:_OPERANDS]
+
+
 def operand_copies(gemm: fx.Node) -> list[fx.Node]:
     """The nodes that realize ``gemm``'s FP8 data operands in the graph (through views): the
-    ``inductor_force_stride_order`` of an inlined GEMM's operand. Empty for the op itself, whose
-    operands are the quantize op's outputs."""
-    if gemm.target not in _GEMMS:
-        return []
+    ``inductor_force_stride_order`` of an inlined GEMM's operand, or of an op's
+    (``realize_op_operands``)."""
     force_stride_order = _force_stride_order()
     out = []
-    for arg in gemm.args[:_OPERANDS]:
+    for arg in _data_operands(gemm):
         while isinstance(arg, fx.Node) and arg.op == "call_function" and arg.args \
                 and _compat.is_op_overload(arg.target) and arg.target.is_view:
             arg = arg.args[0]
@@ -116,6 +123,38 @@ def operand_order(graph: fx.Graph, copies: Callable[[fx.Node], list[fx.Node]]
     return after
 
 
+def realize_op_operands(graph: fx.Graph) -> int:
+    """Give each computed FP8 data operand of a ``graphpass::fp8_gemm`` op of ``graph`` (TE's,
+    cuBLASLt's blockwise GEMM, one whose code does not trace) an ``inductor_force_stride_order``
+    of its own strides, where the op reads the copy an inlined quantize computes: the point
+    where Inductor realizes it, which ``order_gemm_operands`` can then order. The op takes its
+    inputs in a fixed stride order already (a custom op's), so the strides and values are the
+    same. How many it added."""
+    force_stride_order = _force_stride_order()
+    added = 0
+    for gemm in graph.find_nodes(op="call_function", target=ops.FP8_GEMM):
+        for index in (0, 2):
+            arg = gemm.args[index]
+            val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+            if not isinstance(val, torch.Tensor) or arg.op == "placeholder" \
+                    or arg.target is force_stride_order:
+                continue
+            with graph.inserting_before(gemm):
+                held = graph.call_function(force_stride_order, (arg, list(val.stride())))
+            held.meta = {**arg.meta, "val": _like(val)}
+            gemm.update_arg(index, held)
+            added += 1
+    return added
+
+
+def _like(val: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of ``val``'s size, strides, dtype and device, a storage of its own (no two
+    nodes share one, which Inductor's alias analysis would read as the same buffer)."""
+    mode = getattr(val, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+
+
 def order_gemm_operands(graph: fx.Graph) -> dict[str, str]:
     """In a backward ``graph`` (``is_backward``), make each FP8 GEMM operand copy
     (``operand_copies``) depend on the FP8 GEMM before its own in the graph's order (a copy an
@@ -125,6 +164,7 @@ def order_gemm_operands(graph: fx.Graph) -> dict[str, str]:
     if deps_cls is None or not is_backward(graph):
         return {}
     preserve_node_ordering, ordered_set = deps_cls
+    realize_op_operands(graph)
     after = operand_order(graph, operand_copies)
     if after:
         preserve_node_ordering(graph, {copy: ordered_set([gemm]) for copy, gemm in after.items()})
