@@ -86,13 +86,22 @@ def _patterns() -> Any:
     pm = _compat.inductor_pattern_matcher()
     patterns = pm.PatternMatcherPass(pass_name="graphpass_inline_quantize")
 
+    # A quantize is inlined as the recipe's torch code, or, where graphpass's Triton kernels run
+    # it, as the op's own code traced with the kernels' launches as Inductor's
+    # (triton_quantize.inductor_launches): the compiled graph then launches them itself, with no
+    # call of the op (its dispatch, checks and Triton's launcher on the host each step)
     @pm.register_graph_pattern(
         pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
                         pm.KeywordArg("role"), pm.KeywordArg("usage")),
-        extra_check=lambda match: _inlined_whole(match.output_node()),
+        extra_check=lambda match: _inlined_whole(match.output_node())
+        or triton_weight_quantize(match.output_node()),
         pass_dict=patterns,
     )
     def _inline(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
+        if triton_weight_quantize(match.output_node()):
+            _replace_or_keep(match, lambda x: ops._quantize(x, recipe, role, usage), [x],
+                             _traced_launches)
+            return
         match.replace_by_example(
             lambda x: fused_quantize(_input(x, role), recipe, role, usage), [x],
             trace_fn=replacements.tracer(("fused", recipe, role, usage)))
@@ -104,39 +113,18 @@ def _patterns() -> Any:
         # token's from the offsets on the device, no host sync; graphpass's Triton kernels run
         # the rowwise ones on CUDA
         extra_check=lambda match: inlinable(match.kwargs["recipe"])
-        and not triton_group_quantize(match.output_node()),
+        or triton_group_quantize(match.output_node()),
         pass_dict=patterns,
     )
     def _inline_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
                        offs: fx.Node) -> None:
+        if triton_group_quantize(match.output_node()):
+            _replace_or_keep(match, lambda x, offs: ops._quantize(x, recipe, role, usage, offs),
+                             [x, offs], _traced_launches)
+            return
         match.replace_by_example(
             lambda x, offs: ops.groups_torch(_stored(x), recipe, role, usage, offs), [x, offs],
             trace_fn=replacements.tracer(("groups", recipe, role, usage)))
-
-    # The quantizes graphpass's Triton kernels run: the op's own code traced with the kernels'
-    # launches as Inductor's (triton_quantize.inductor_launches), so the compiled graph launches
-    # them itself, with no call of the op (its dispatch, checks and Triton's launcher on the
-    # host each step)
-    @pm.register_graph_pattern(
-        pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
-                        pm.KeywordArg("role"), pm.KeywordArg("usage")),
-        extra_check=lambda match: triton_weight_quantize(match.output_node()),
-        pass_dict=patterns,
-    )
-    def _launch_weights(match: Any, x: fx.Node, recipe: str, role: str, usage: str) -> None:
-        _replace_or_keep(match, lambda x: ops._quantize(x, recipe, role, usage), [x],
-                         _traced_launches)
-
-    @pm.register_graph_pattern(
-        pm.CallFunction(ops.QUANTIZE, pm.KeywordArg("x"), pm.KeywordArg("recipe"),
-                        pm.KeywordArg("role"), pm.KeywordArg("usage"), pm.KeywordArg("offs")),
-        extra_check=lambda match: triton_group_quantize(match.output_node()),
-        pass_dict=patterns,
-    )
-    def _launch_groups(match: Any, x: fx.Node, recipe: str, role: str, usage: str,
-                       offs: fx.Node) -> None:
-        _replace_or_keep(match, lambda x, offs: ops._quantize(x, recipe, role, usage, offs),
-                         [x, offs], _traced_launches)
 
     # The FP8 GEMMs torch's kernels run on CUDA (kernels="scaled_mm"): the op's own code traced,
     # torch._scaled_mm / torch._scaled_grouped_mm then Inductor's extern calls. One whose code
