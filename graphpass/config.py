@@ -558,10 +558,10 @@ class Config:
     instead of 1,201 (bf16: 1,009), for about 20% more bytes moved by its kernels (the
     step-peak model follows that order); not yet measured on a GPU. On the CPU, each group of
     reductions Inductor's C++ code runs as one kernel (a layer's norm weight gradients) moves
-    beside the last buffer they read, so the
-    weight-gradient quantizes and GEMMs between them run beside their data gradients (a report
-    note says what moved; +4.3% step time on the FP8 tiny Llama). Either way only the order of
-    kernels changes: gradients are bit-identical with and without it. Off by default."""
+    beside the last buffer they read, so the weight-gradient quantizes and GEMMs between them
+    run beside their data gradients (a report note says what moved; +4.3% step time on the FP8
+    tiny Llama). Either way only the order of kernels changes: gradients are bit-identical with
+    and without it. Off by default."""
 
     float8: FP8 = FP8()
     """FP8 training of linear layers."""

@@ -90,13 +90,12 @@ def _on_cuda(plan: Plan) -> bool:
     return any(getattr(p.meta.get("val"), "is_cuda", False) for p in plan.primals)
 
 
-def _note_order(plan: Plan, partitioned: Partitioned, config: Config | None = None
-                ) -> Partitioned:
+def _note_order(plan: Plan, partitioned: Partitioned, config: Config) -> Partitioned:
     """The report's notes of ``order_backward``: on a GPU, what Inductor's code of an FP8
     backward does (``fp8/gemm_order.py``, which the step-peak model follows); elsewhere, what
     ``order_for_memory`` moved in the backward kept."""
-    if config is not None and config.codegen == "inductor" and config.order_backward \
-            and config.recipe is not None and _on_cuda(plan):
+    if config.codegen == "inductor" and config.order_backward and config.recipe is not None \
+            and _on_cuda(plan):
         plan.decide(Decision(What.BACKWARD_ORDER, "order_backward", (
             "on a GPU each FP8 GEMM's operand copies are made after the GEMM before it in the "
             "graph's order (control dependencies Inductor's scheduler keeps), each gradient "

@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import operator
 from typing import Callable, Iterator
 
 import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..graph.nodes import producer, viewed
 from . import ops
 
 _GEMMS = (torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_grouped_mm.default)
@@ -77,10 +77,7 @@ def operand_copies(gemm: fx.Node) -> list[fx.Node]:
     (``realize_op_operands``)."""
     force_stride_order = _force_stride_order()
     out = []
-    for arg in _data_operands(gemm):
-        while isinstance(arg, fx.Node) and arg.op == "call_function" and arg.args \
-                and _compat.is_op_overload(arg.target) and arg.target.is_view:
-            arg = arg.args[0]
+    for arg in map(viewed, _data_operands(gemm)):
         if isinstance(arg, fx.Node) and arg.target is force_stride_order and arg not in out:
             out.append(arg)
     return out
@@ -93,12 +90,10 @@ def operand_quantizes(gemm: fx.Node) -> list[fx.Node]:
     if gemm.target is not ops.FP8_GEMM:
         return []
     out = []
-    for arg in (gemm.args[0], gemm.args[2]):
-        while isinstance(arg, fx.Node) and (arg.target is operator.getitem or (
-                _compat.is_op_overload(arg.target) and arg.target.is_view)):
-            arg = arg.args[0]
-        if isinstance(arg, fx.Node) and arg.target is ops.QUANTIZE and arg not in out:
-            out.append(arg)
+    for arg in map(viewed, _data_operands(gemm)):
+        op = producer(arg) if isinstance(arg, fx.Node) else None
+        if op is not None and op.target is ops.QUANTIZE and op not in out:
+            out.append(op)
     return out
 
 

@@ -50,7 +50,9 @@ import torch.fx as fx
 
 from .. import _compat
 from ..decisions import Decision, What
+from ..graph.nodes import viewed
 from . import ops, recipes, replacements, triton_quantize
+from .gemm_order import order_gemm_operands, ordered_gemms
 
 _log = logging.getLogger(__name__)
 INLINED = (recipes.Scaling.TENSORWISE, recipes.Scaling.ROWWISE, recipes.Scaling.BLOCKWISE)
@@ -202,10 +204,7 @@ def _inputs_written(gm: fx.GraphModule) -> list[str]:
         if node.target is not functional:
             continue
         for name in node.kwargs.get("tensors_to_clone", ()):
-            base = node.kwargs["kwargs"][name]
-            while isinstance(base, fx.Node) and base.op == "call_function" and base.args \
-                    and _compat.is_op_overload(base.target) and base.target.is_view:
-                base = base.args[0]
+            base = viewed(node.kwargs["kwargs"][name])
             if isinstance(base, fx.Node) and base.op == "placeholder":
                 out.append(base.name)
     return out
@@ -250,8 +249,6 @@ def quantize_code(config: Any) -> Iterator[None]:
     inputs and when they run, for the step-peak model: ``opaque_quantizes`` under
     ``fuse_quantize=False``, ``stored_gradients`` and ``gemm_order.ordered_gemms`` under
     ``order_backward``."""
-    from .gemm_order import ordered_gemms
-
     with opaque_quantizes(not config.fuse_quantize), stored_gradients(config.order_backward), \
             ordered_gemms(config.order_backward):
         yield
@@ -455,8 +452,6 @@ def post_grad_pass(source_hash: str, user_pass: Any, *, order_backward: bool = F
     one already configured, if any: a pass or a list of them, kept and run first); with
     ``order_backward``, each gradient's quantizes read it stored (``stored_gradients``) and the
     FP8 GEMMs' operand copies follow the graph's order (``gemm_order.order_gemm_operands``)."""
-    from .gemm_order import order_gemm_operands
-
     _compat.guard_cpp_loop_split()  # blockwise quantizes index their scales as k // 128
     user_passes = [] if user_pass is None else (
         list(user_pass) if isinstance(user_pass, (list, tuple)) else [user_pass])

@@ -122,9 +122,10 @@ class KernelConfig:
     walks its rows from their last tile, which the first read loaded last, so that the tiles
     most likely still in cache are read first (in the DeepSeek-V3 layer the kernel moved its
     bytes at about 2.3 TB/s as if it read the rows twice from memory; not yet measured).
-    ``fuse_rows``: the rowwise copy alone through that one-kernel path (else the two passes). ``cast``: how fp32 becomes fp8: ``"ptx"`` (the
-    ``cvt.rn.satfinite`` instruction through inline PTX; sm_89+ GPUs) or ``"soft"`` (integer
-    arithmetic: any device, and the interpreter); None picks ``"ptx"`` where it can run.
+    ``fuse_rows``: the rowwise copy alone through that one-kernel path (else the two passes).
+    ``cast``: how fp32 becomes fp8: ``"ptx"`` (the ``cvt.rn.satfinite`` instruction through
+    inline PTX; sm_89+ GPUs) or ``"soft"`` (integer arithmetic: any device, and the
+    interpreter); None picks ``"ptx"`` where it can run.
     ``stages``: Triton's ``num_stages`` for every launch (its default, 3: how deep the
     compiler may pipeline the loads of the kernels' loops).
     """

@@ -158,6 +158,15 @@ def producer(node: fx.Node) -> fx.Node:
     return node
 
 
+def viewed(value: object) -> object:
+    """What ``value`` views, through aten view ops (each one's first argument); ``value`` itself
+    where it is no view (or no node)."""
+    while isinstance(value, fx.Node) and value.op == "call_function" and value.args \
+            and _compat.is_op_overload(value.target) and value.target.is_view:
+        value = value.args[0]
+    return value
+
+
 def tensor_bytes(val: torch.Tensor, *, where: str) -> int:
     """A tensor's bytes; an unbacked element count is assumed, with a ``sizes:`` note naming
     ``where`` (``_compat.size_hint``)."""
