@@ -22,6 +22,10 @@ time summed over the usages timed) as JSON, for ``benchmarks/experts_fp8.py --ti
 run the training steps with, in the same GPU call.
 ``--dry-run`` runs tiny shapes on the CPU under the interpreter, checks the kernels' outputs
 against the torch code's, and times nothing.
+``--resources`` (CPU, no GPU needed) compiles the kernels of every ``--sweep`` configuration for
+sm_90 as Triton's launcher specialises them on the first shapes (``benchmarks/_sm90.py``) and
+prints what ptxas gives each (registers, spill stores, shared memory), the programs an SM holds
+and the input bytes they have in flight, the quantity a memory-bound loop's bandwidth follows.
 
 Measured on an H200 (torch 2.11, Triton 3.6), bf16, ms, kernels / Inductor:
 
@@ -61,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also time tile configurations")
     p.add_argument("--best-out", type=Path, default=None,
                    help="with --sweep: write each kernel family's fastest configuration here")
+    p.add_argument("--resources", action="store_true",
+                   help="CPU: each sweep configuration's kernels compiled for sm_90: registers, "
+                        "shared memory, programs an SM, bytes in flight")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on the CPU under Triton's interpreter; no timing")
     return p.parse_args()
@@ -80,6 +87,8 @@ def main() -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.resources:
+        return resources(args)
     import torch
 
     from graphpass.fp8 import ops
@@ -140,6 +149,48 @@ def main() -> int:
     if args.sweep and bench is not None:
         best["experts"] = sweep(shapes[0], args.recipe, bench)
         write_best(args.best_out, best)
+    return 0
+
+
+def resources(args: argparse.Namespace) -> int:
+    """``--resources``: the table of each sweep configuration's kernels as compiled for sm_90,
+    on the first weight shape and the first token-grouped shape."""
+    import torch
+
+    import _sm90
+    from graphpass.fp8 import triton_grouped as tg
+    from graphpass.fp8 import triton_quantize as tq
+
+    shape = tuple(int(d) for d in (args.shapes or DEFAULT_SHAPES)[0].split("x"))
+    t, k, groups = (int(d) for d in (args.grouped_shapes or GROUPED_SHAPES)[0].split("x"))
+    weight = torch.empty(shape, dtype=torch.bfloat16)  # nothing reads them: launches recorded
+    tokens, offs = torch.empty((t, k), dtype=torch.bfloat16), group_ends(t, groups, "cpu")
+    print(f"sm_90 as launched, triton {tq.triton.__version__}, bf16; in flight: the input bytes "
+          "the programs an SM holds have loaded or are loading")
+    print("| kernels | config | usage | kernel | registers | spill B | shared KiB | programs/SM "
+          "| in flight KiB/SM |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    compiled: dict = {}
+    families = [("experts " + "x".join(map(str, shape)), SWEEP, USAGES,
+                 lambda cfg, usage: tq.quantize_experts_rowwise_for(
+                     weight, args.recipe, "weight", usage, config=tq.KernelConfig(**cfg))),
+                (f"grouped {t}x{k}x{groups}", GROUPED_SWEEP, ("both", "columnwise"),
+                 lambda cfg, usage: tg.quantize_groups_rowwise_for(
+                     tokens, args.recipe, "input", usage, offs,
+                     config=tg.GroupedKernelConfig(**cfg)))]
+    for family, configs, usages, quantize in families:
+        for change in configs:
+            for usage in usages:
+                for fn, a, kw in _sm90.launches(lambda: quantize(change, usage)):
+                    key = (fn, _sm90.source(fn, a, kw, specialise=True)[0].hash(),
+                           tuple(sorted((n, v) for n, v in kw.items() if n not in fn.arg_names)))
+                    if key not in compiled:
+                        compiled[key] = _sm90.resources(
+                            _sm90.compile_launch(fn, a, kw, specialise=True))
+                    r = compiled[key]
+                    print(f"| {family} | {change or 'default'} | {usage} | {fn.__name__} | "
+                          f"{r.registers} | {r.spill_bytes} | {r.shared / 1024:.1f} | "
+                          f"{_sm90.programs_per_sm(r)} | {_sm90.in_flight(r, kw, 2) / 1024:.0f} |")
     return 0
 
 
@@ -214,25 +265,27 @@ def grouped(shapes: list[tuple[int, int, int]], recipe: str, device: str, bench)
 
 
 # The tile configurations --sweep times, as changes to the defaults. Measured on an H200 and
-# left out: tiles of fewer elements a thread (8 to 32; slower although they do not spill).
-# "one tile a program": every program reads one tile and exits, the way torchao's MoE quantize
-# kernels work (their weights' kernels ran at about 4 TB/s beside these on the H200).
+# left out: tiles of fewer elements a thread (8 to 32; slower although they do not spill), and
+# most configurations of one tile a program, the way torchao's MoE quantize kernels work (both
+# copies of a weight 1.30 to 2.00 ms against 1.246): one of each family is kept.
+# ``*_stages``: how deep Triton pipelines each loop's loads (cp.async into shared memory); the
+# kernels timed before these settings existed ran every loop unpipelined (1, the default).
 GROUPED_SWEEP = [
     dict(),
     dict(cast_block=(32, 128)),  # the default before (0.258 against 0.238 ms at 8192x7168x16)
-    dict(cast_block=(64, 128)),  # and before that (0.313 ms)
-    dict(amax_t_chunk=32),  # one tile a program
-    dict(cast_k_chunk=128),  # one tile a program
+    dict(amax_t_chunk=32, cast_k_chunk=128),  # both passes one tile a program
     dict(cast_block=(8, 128)),
-    dict(cast_block=(16, 256), cast_warps=8),
     dict(cast_k_chunk=512),
     dict(amax_t_chunk=256),
-    dict(amax_t_chunk=32, cast_k_chunk=128),  # both passes one tile a program
-    dict(amax_t_chunk=64, cast_k_chunk=256, cast_warps=8),
-    # how deep Triton pipelines the loops' loads (num_stages; 3 by default)
-    dict(stages=1),
-    dict(stages=2),
-    dict(stages=4),
+    dict(cast_stages=2),
+    dict(cast_stages=3),
+    dict(cast_stages=3, cast_block=(32, 128)),
+    # programs of 2 warps: 8 an SM where 4 warps take 4 (about 120 registers either way)
+    dict(cast_stages=3, cast_warps=2),
+    dict(cast_stages=4, cast_warps=2),
+    # the amax pass's tile narrower, pipelined: 3 programs an SM instead of 2 (242 registers)
+    dict(amax_block=(32, 256), amax_stages=3, cast_stages=3),
+    dict(amax_block=(32, 256), amax_stages=3, cast_stages=4, cast_warps=2),
 ]
 
 
@@ -276,27 +329,22 @@ def grouped_sweep(shape: tuple[int, int, int], recipe: str, bench) -> dict:
 
 SWEEP = [
     dict(),
-    dict(amax_block=(32, 512), amax_n_chunk=32),  # one tile a program
-    dict(amax_block=(128, 128), amax_n_chunk=128),  # one tile a program, torchao's tile
     dict(cast_k_chunk=128),  # one tile a program
-    dict(cast_k_chunk=512),
     dict(cast_k_chunk=2048),
     dict(cast_block=(64, 128)),  # the default before (1.276 against 1.246 ms, both copies)
     dict(cast_block=(16, 128)),
-    dict(rows_block=(1, 2048)),
     dict(rows_block=(4, 1024)),
     dict(rows_block=(2, 2048), rows_warps=8),
     # the rowwise kernel's second read from the rows' last tile (the one read last)
     dict(rows_reverse=True),
-    dict(rows_reverse=True, rows_block=(4, 1024)),
-    # both passes one tile a program; with the rowwise kernel's strips wider
-    dict(amax_block=(32, 512), amax_n_chunk=32, cast_k_chunk=128),
-    dict(amax_block=(32, 512), amax_n_chunk=32, cast_k_chunk=128, rows_block=(4, 1024)),
-    dict(amax_block=(64, 256), amax_n_chunk=64, amax_warps=8, cast_k_chunk=128, cast_warps=8),
-    # how deep Triton pipelines the loops' loads (num_stages; 3 by default)
-    dict(stages=1),
-    dict(stages=2),
-    dict(stages=4),
+    dict(cast_stages=2, rows_stages=2),
+    dict(cast_stages=3, rows_stages=3),
+    dict(cast_stages=4, rows_stages=4),
+    dict(cast_stages=3, rows_stages=3, cast_block=(64, 128), rows_block=(4, 1024)),
+    dict(cast_stages=3, rows_stages=3, rows_reverse=True),
+    # the amax pass's tile narrower, pipelined: 4 to 7 programs an SM instead of 2 (226 registers)
+    dict(amax_block=(32, 256), amax_stages=3, cast_stages=3, rows_stages=3),
+    dict(amax_block=(16, 256), amax_stages=4, cast_stages=3, rows_stages=3),
 ]
 
 

@@ -13,9 +13,9 @@ carries: the same compiler passes as on the GPU machine, without one.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -24,68 +24,9 @@ triton = pytest.importorskip("triton")
 
 from graphpass.fp8 import recipes, triton_grouped as tg, triton_quantize as tq  # noqa: E402
 
-_POINTER = {torch.int16: "*i16", torch.int32: "*i32", torch.uint8: "*u8", torch.float32: "*fp32",
-            torch.bfloat16: "*bf16", torch.float16: "*fp16"}
-
-
-class _Recorder:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the
-    launch instead of running it."""
-
-    def __init__(self, fn, launches: list) -> None:
-        self.fn, self.launches = fn, launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
-
-
-def _source(fn, args: tuple, kwargs: dict) -> tuple[object, dict]:
-    """The ``ASTSource`` of one recorded launch (argument types from the values passed, as
-    Triton's launcher derives them) and its compile options (num_warps, enable_fp_fusion)."""
-    from triton.compiler import ASTSource
-
-    names = fn.arg_names
-    values = dict(zip(names, args))
-    values.update({k: v for k, v in kwargs.items() if k in names})
-    options = {k: v for k, v in kwargs.items() if k not in names}
-    signature, constants = {}, {}
-    for name, param in zip(names, fn.params):
-        value = values[name]
-        if param.is_constexpr or value is None:
-            signature[name], constants[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = _POINTER[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}: argument {name} = {value!r} of no Triton type")
-    return ASTSource(fn, signature, constants), options
-
-
-def _launches(call) -> list:
-    """The kernel launches ``call()`` makes, as on a CUDA tensor of an sm_90 GPU: the
-    interpreter off, every kernel recorded rather than run, the fp8 cast by PTX."""
-    launches: list = []
-    kernels = [(tq, "_amax_kernel"), (tq, "_cast_kernel"), (tq, "_rows_kernel"),
-               (tg, "_amax_kernel"), (tg, "_cast_kernel")]
-    with mock.patch.object(tq, "_interpreted", lambda: False), \
-            mock.patch.object(tq, "available", lambda x: None), \
-            mock.patch.object(tg, "available", lambda x: None), \
-            mock.patch.object(tq, "_cast_mode", lambda x, cfg: "ptx"):
-        patches = [mock.patch.object(m, name, _Recorder(getattr(m, name), launches))
-                   for m, name in kernels]
-        for p in patches:
-            p.start()
-        try:
-            call()
-        finally:
-            for p in patches:
-                p.stop()
-    return launches
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _sm90 import compile_launch, launches as _launches  # noqa: E402
+from _sm90 import source as _source, tool  # noqa: E402
 
 
 def _variants() -> list[tuple[str, object]]:
@@ -105,19 +46,22 @@ def _variants() -> list[tuple[str, object]]:
                             tq.quantize_experts_rowwise(w, rows=r, cols=c, **kw)))
                 out.append((f"groups-{which}-{name}", lambda x=tokens, r=rows, c=cols, kw=common:
                             tg.quantize_groups_rowwise(x, offs, rows=r, cols=c, **kw)))
-    # the sweep's pipelining depths (num_stages), both copies of bf16
+    # the sweep's settings: pipelined loops, the rowwise kernel's reversed second read, a cast
+    # block of several runs of aligned columns
     common = dict(fp8_dtype=recipes.E4M3, fp8_max=448.0, power_2_scales=False, amax_epsilon=0.0)
     weights, tokens = torch.randn(2, 48, 80, dtype=torch.bfloat16), torch.randn(100, 80,
                                                                                dtype=torch.bfloat16)
+    for stages in (2, 4):
+        cfg = tq.KernelConfig(amax_stages=stages, cast_stages=stages, rows_stages=stages)
+        for rows, cols in ((True, True), (True, False)):
+            out.append((f"experts-{'both' if cols else 'rows'}-stages{stages}",
+                        lambda w=weights, r=rows, c=cols, cfg=cfg: tq.quantize_experts_rowwise(
+                            w, rows=r, cols=c, config=cfg, **common)))
+        out.append((f"groups-both-stages{stages}", lambda x=tokens, s=stages:
+                    tg.quantize_groups_rowwise(x, offs, config=tg.GroupedKernelConfig(
+                        amax_stages=s, cast_stages=s, cast_block=(64, 128)), **common)))
     out.append(("experts-rows-reversed", lambda w=weights: tq.quantize_experts_rowwise(
         w, rows=True, cols=False, config=tq.KernelConfig(rows_reverse=True), **common)))
-    for stages in (1, 4):
-        out.append((f"experts-both-stages{stages}", lambda w=weights, s=stages:
-                    tq.quantize_experts_rowwise(w, rows=True, cols=True,
-                                                config=tq.KernelConfig(stages=s), **common)))
-        out.append((f"groups-both-stages{stages}", lambda x=tokens, s=stages:
-                    tg.quantize_groups_rowwise(x, offs, config=tg.GroupedKernelConfig(stages=s),
-                                               **common)))
     return out
 
 
@@ -188,7 +132,7 @@ def _sass(cubin: bytes) -> list[str]:
     import subprocess
     import tempfile
 
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    nvdisasm = tool("nvdisasm")
     if not nvdisasm.exists():
         pytest.skip("this triton wheel carries no nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -224,3 +168,76 @@ def test_machine_code_is_the_same_with_floating_point_contraction(compile_result
                 **options, "enable_fp_fusion": fuse}).asm["cubin"]) for fuse in (False, True)]
             assert sass[0] and sass[0] == sass[1], f"{vid} {fn.__name__}"
     assert len(seen) >= 10
+
+
+@pytest.mark.parametrize("family", ["experts", "groups"])
+def test_a_pipelining_depth_pipelines_every_loop_over_tiles(compile_results, family):
+    """``amax_stages``, ``cast_stages`` and ``rows_stages`` above 1 turn each kernel's loop
+    over tiles into asynchronous copies of the next tiles into shared memory (``cp.async``, a
+    buffer per stage); at 1 none. Triton's launch option ``num_stages`` alone pipelines none of
+    these loops (they hold no GEMM): the kernels' PTX is the same at every value of it."""
+    common = dict(fp8_dtype=recipes.E4M3, fp8_max=448.0, power_2_scales=False, amax_epsilon=0.0)
+    if family == "experts":
+        x = torch.randn(2, 64, 256, dtype=torch.bfloat16)
+        calls = {depth: [lambda r=r, c=c, d=depth: tq.quantize_experts_rowwise(
+                    x, rows=r, cols=c, config=tq.KernelConfig(
+                        amax_stages=d, cast_stages=d, rows_stages=d), **common)
+                    for r, c in ((True, True), (True, False))] for depth in (1, 3)}
+    else:
+        x = torch.randn(256, 256, dtype=torch.bfloat16)
+        offs = torch.tensor([64, 64, 200, 240], dtype=torch.int32)
+        calls = {depth: [lambda d=depth: tg.quantize_groups_rowwise(
+                    x, offs, config=tg.GroupedKernelConfig(amax_stages=d, cast_stages=d),
+                    **common)] for depth in (1, 3)}
+    seen = {}
+    for depth, fns in calls.items():
+        for call in fns:
+            for fn, args, kwargs in _launches(call):
+                ptx = {}
+                for num_stages in (1, 3):
+                    kernel = compile_launch(fn, args, kwargs, specialise=True,
+                                            options={"num_stages": num_stages})
+                    ptx[num_stages] = kernel.asm["ptx"].split(".target", 1)[1]
+                    shared = kernel.metadata.shared
+                assert ptx[1] == ptx[3], f"{fn.__name__}: num_stages changed the code"
+                seen[(fn.__name__, depth)] = ("cp.async" in ptx[3], shared)
+    assert {name for name, _ in seen} == ({"_amax_kernel", "_cast_kernel", "_rows_kernel"}
+                                          if family == "experts" else
+                                          {"_amax_kernel", "_cast_kernel"})
+    for (name, depth), (pipelined, shared) in seen.items():
+        assert pipelined == (depth > 1), f"{name} at depth {depth}"
+        if depth > 1:
+            assert shared > seen[(name, 1)][1], f"{name}: no stage buffers at depth {depth}"
+
+
+def test_the_default_kernels_fit_in_registers_and_say_their_occupancy(compile_results):
+    """As launched on sm_90, no default kernel spills registers (ptxas ``-v``), and the programs
+    an SM holds and the input bytes they have in flight follow from its registers and shared
+    memory (``quantize_kernels.py --resources`` prints them for every sweep configuration):
+    the default cast kernel of a weight's both copies holds 4 programs of one (32, 128) bf16
+    tile; at 3 stages, 5 programs of two tiles each."""
+    import _sm90
+
+    common = dict(fp8_dtype=recipes.E4M3, fp8_max=448.0, power_2_scales=False, amax_epsilon=0.0)
+    w = torch.empty(4, 256, 1024, dtype=torch.bfloat16)
+    x, offs = torch.empty(512, 1024, dtype=torch.bfloat16), torch.tensor([256, 512],
+                                                                        dtype=torch.int32)
+    calls = [lambda r=r, c=c: tq.quantize_experts_rowwise(w, rows=r, cols=c, **common)
+             for r, c in ((True, True), (True, False), (False, True))]
+    calls += [lambda r=r: tg.quantize_groups_rowwise(x, offs, rows=r, cols=True, **common)
+              for r in (True, False)]
+    for call in calls:
+        for fn, args, kwargs in _launches(call):
+            r = _sm90.resources(compile_launch(fn, args, kwargs, specialise=True))
+            assert r.spill_bytes == 0 and 0 < r.registers <= 255, (fn.__name__, r)
+            assert _sm90.programs_per_sm(r) >= 1
+    (fn, args, kwargs), = [launch for launch in _launches(calls[0])
+                           if launch[0].__name__ == "_cast_kernel"]
+    one = _sm90.resources(compile_launch(fn, args, kwargs, specialise=True))
+    assert _sm90.in_flight(one, kwargs, 2) == _sm90.programs_per_sm(one) * 32 * 128 * 2
+    (fn, args, kwargs), = [launch for launch in _launches(
+        lambda: tq.quantize_experts_rowwise(w, rows=True, cols=True, config=tq.KernelConfig(
+            cast_stages=3), **common)) if launch[0].__name__ == "_cast_kernel"]
+    three = _sm90.resources(compile_launch(fn, args, kwargs, specialise=True))
+    assert three.shared >= 2 * 32 * 128 * 2  # two stage buffers of a bf16 tile
+    assert _sm90.in_flight(three, kwargs, 2) > _sm90.in_flight(one, kwargs, 2)

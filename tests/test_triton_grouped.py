@@ -36,6 +36,18 @@ CASES: dict[str, tuple] = {
                          None, None, SMALL),
     "ragged_bf16_cols": (100, 64, RAGGED, "bfloat16", "specials", "rowwise", "grad",
                          "columnwise", None, None, None),
+    # cast blocks of 64 and 8 aligned columns: runs of 16 (or 8) columns in different groups
+    # (and past the last group's aligned end) in one block; every loop pipelined
+    "ragged_bf16_both_wide_cast_block": (100, 64, RAGGED, "bfloat16", "specials", "rowwise",
+                                         "input", "both", None, None,
+                                         SMALL | dict(cast_block=(64, 32))),
+    "ragged_bf16_both_pipelined": (100, 64, RAGGED, "bfloat16", "specials", "rowwise",
+                                   "input", "both", None, None,
+                                   SMALL | dict(cast_block=(32, 32), amax_stages=3,
+                                                cast_stages=2)),
+    "ragged_bf16_cols_narrow_cast_block": (100, 64, RAGGED, "bfloat16", "specials", "rowwise",
+                                           "grad", "columnwise", None, None,
+                                           SMALL | dict(cast_block=(8, 32), cast_stages=3)),
     "ragged_bf16_rows": (37, 64, [16, 16, 30], "bfloat16", "specials", "rowwise", "input",
                          "rowwise", None, None, None),
     "one_group_fp32": (130, 96, [130], "float32", "specials", "rowwise", "input", "both",

@@ -48,8 +48,12 @@ CASES: dict[str, tuple] = {
                                   "rowwise", None, None, SMALL | dict(rows_reverse=True)),
     "ragged_bf16_cols": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight", "columnwise",
                          None, None, SMALL),
-    "ragged_bf16_both_one_stage": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
-                                   "both", None, None, SMALL | dict(stages=1)),
+    "ragged_bf16_both_pipelined": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
+                                   "both", None, None,
+                                   SMALL | dict(amax_stages=3, cast_stages=2)),
+    "ragged_bf16_rows_pipelined": ((3, 37, 70), "bfloat16", "specials", "rowwise", "weight",
+                                   "rowwise", None, None,
+                                   SMALL | dict(rows_stages=3, rows_reverse=True)),
     "aligned_bf16_both": ((2, 128, 256), "bfloat16", "specials", "rowwise", "weight", "both",
                           None, None, dict(amax_block=(64, 128), amax_n_chunk=64,
                                            cast_block=(64, 128), cast_k_chunk=128,
@@ -328,6 +332,8 @@ def test_benchmark_dry_run_checks_the_kernels_or_says_why_not():
 def test_a_pipelining_depth_below_one_is_refused():
     from graphpass.fp8 import triton_grouped as tg, triton_quantize as tq
 
-    for config in (tq.KernelConfig, tg.GroupedKernelConfig):
-        with pytest.raises(ValueError, match="stages must be positive"):
-            config(stages=0)
+    for config, names in ((tq.KernelConfig, ("amax_stages", "cast_stages", "rows_stages")),
+                          (tg.GroupedKernelConfig, ("amax_stages", "cast_stages"))):
+        for name in names:
+            with pytest.raises(ValueError, match=f"{name} must be positive"):
+                config(**{name: 0})

@@ -102,7 +102,9 @@ class GroupedKernelConfig:
     (aligned columns, columns of x); its first dimension is the contiguous run of each
     transposed store. ``cast_k_chunk``: the columns of x one cast program walks along (a
     multiple of ``cast_block[1]``). ``cast``: ``"ptx"``, ``"soft"`` or None, as
-    ``triton_quantize.KernelConfig.cast``; ``stages``: Triton's ``num_stages``, as there. The
+    ``triton_quantize.KernelConfig.cast``; ``amax_stages``, ``cast_stages``: how deep Triton
+    pipelines the loads of each pass's loop over tiles, as ``triton_quantize.KernelConfig``'s
+    (1: not at all, the kernels the H200 timed). The
     rowwise copy alone runs ``triton_quantize``'s rowwise kernel with its default tiles
     (``triton_quantize.DEFAULT_CONFIG``).
     """
@@ -114,7 +116,8 @@ class GroupedKernelConfig:
     cast_k_chunk: int = 1024
     cast_warps: int = 4
     cast: str | None = None
-    stages: int = 3
+    amax_stages: int = 1
+    cast_stages: int = 1
 
     def __post_init__(self) -> None:
         for b in (*self.amax_block, *self.cast_block):
@@ -124,8 +127,7 @@ class GroupedKernelConfig:
             raise ValueError(f"amax_t_chunk must be positive, got {self}")
         if self.cast_k_chunk < self.cast_block[1] or self.cast_k_chunk % self.cast_block[1]:
             raise ValueError(f"cast_k_chunk must be a multiple of cast_block[1], got {self}")
-        if self.stages < 1:
-            raise ValueError(f"stages must be positive, got {self}")
+        _tq._check_stages(self, "amax_stages", "cast_stages")
         if self.cast not in (None, "ptx", "soft"):
             raise ValueError(f"cast must be 'ptx', 'soft' or None, got {self.cast!r}")
 
@@ -145,7 +147,7 @@ if triton is not None:
     @triton.jit
     def _amax_kernel(x_ptr, offs_ptr, row_amax_ptr, col_amax_ptr, T, K, G, T_CHUNK,
                      ROWS: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_K: tl.constexpr, G_PAD: tl.constexpr):
+                     BLOCK_K: tl.constexpr, G_PAD: tl.constexpr, STAGES: tl.constexpr):
         """Row maxima of |x| (if ROWS) and each group's column maxima, into int32 buffers
         holding fp32 bits. A program walks T_CHUNK rows of BLOCK_K columns group by group."""
         pid_k = tl.program_id(0)
@@ -166,7 +168,7 @@ if triton is not None:
             lo = tl.maximum(start, r0)
             hi = tl.minimum(end, r1)
             col_max = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for n0 in range(lo, hi, BLOCK_T):
+            for n0 in tl.range(lo, hi, BLOCK_T, num_stages=STAGES):
                 n = n0 + tl.arange(0, BLOCK_T)
                 n_in = n < hi
                 a = _abs_no_nan(_load_f32(x_ptr + n[:, None] * K + k[None, :],
@@ -186,7 +188,8 @@ if triton is not None:
                      T, K, G, P, K_CHUNK, FP8_MAX, EPS,
                      ROWS: tl.constexpr, POW2: tl.constexpr, E5M2: tl.constexpr,
                      CAST: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_K: tl.constexpr, G_PAD: tl.constexpr, ALIGN: tl.constexpr):
+                     BLOCK_K: tl.constexpr, G_PAD: tl.constexpr, ALIGN: tl.constexpr,
+                     STAGES: tl.constexpr):
         """BLOCK_P columns of the aligned layout over K_CHUNK columns of x: the columnwise copy
         of those columns (padding as zero bytes) and, if ROWS, the rowwise copy of their rows
         (the columns past the last group's aligned end holding the rows past offs[-1])."""
@@ -221,11 +224,15 @@ if triton is not None:
         else:
             has_row = in_group
             row = tl.where(in_group, token, 0)
-        g_lo = tl.min(tl.where(in_group, group, G), axis=0)
-        g_hi = tl.max(tl.where(in_group, group, -1), axis=0)
+        # Each run of SUB aligned columns lies in one group's aligned range (the ranges start at
+        # multiples of ALIGN): its group, a scalar per run, picks that run's column scales. A
+        # static loop over the runs keeps the K loop free of a dynamic inner loop, which
+        # Triton's pipeliner would not take.
+        SUB: tl.constexpr = BLOCK_P if BLOCK_P < ALIGN else ALIGN
+        run = tl.arange(0, BLOCK_P) // SUB
         k_start = pid_k * K_CHUNK
         k_end = tl.minimum(k_start + K_CHUNK, K)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_in = k < K
             x = _load_f32(x_ptr + row[:, None] * K + k[None, :], has_row[:, None] & k_in[None, :],
@@ -235,11 +242,12 @@ if triton is not None:
                 tl.store(q_ptr + row[:, None] * K + k[None, :], q,
                          mask=has_row[:, None] & k_in[None, :])
             scale = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
-            for g in range(g_lo, g_hi + 1):  # the groups of this block's columns
-                g_amax = tl.load(col_amax_ptr + g * K + k, mask=k_in, other=0).to(tl.float32,
-                                                                                   bitcast=True)
+            for j in tl.static_range(BLOCK_P // SUB):
+                g = tl.sum(tl.where(tl.arange(0, BLOCK_P) == j * SUB, group, 0), axis=0)
+                g_amax = tl.load(col_amax_ptr + g * K + k, mask=k_in & (g < G), other=0).to(
+                    tl.float32, bitcast=True)
                 s, _ = _scales(g_amax, FP8_MAX, EPS, POW2)
-                scale = tl.where((group == g)[:, None], s[None, :], scale)
+                scale = tl.where((run == j)[:, None], s[None, :], scale)
             xt = tl.where(in_group[:, None], x, 0.0)  # padding and past the end: +0 bytes
             qt = tl.trans(_fp8_bits(xt, scale, FP8_MAX, E5M2, CAST))
             tl.store(qt_ptr + k[:, None] * P + p[None, :], qt,
@@ -352,8 +360,8 @@ def quantize_groups_rowwise(
     bt, bk = cfg.amax_block
     _tq.launched(_amax_kernel)[(triton.cdiv(k, bk), triton.cdiv(t, cfg.amax_t_chunk))](
         xs, offs, row_amax, col_amax, t, k, groups, cfg.amax_t_chunk, ROWS=rows,
-        BF16_BITS=bf16_bits, BLOCK_T=bt, BLOCK_K=bk, G_PAD=g_pad, num_warps=cfg.amax_warps,
-        num_stages=cfg.stages,
+        BF16_BITS=bf16_bits, BLOCK_T=bt, BLOCK_K=bk, G_PAD=g_pad, STAGES=cfg.amax_stages,
+        num_warps=cfg.amax_warps,
         **_tq._launch_options())
     out = _outputs(x, groups, fp8_dtype, rows, cols, empty=False)
     q, s = (out[0].view(torch.uint8), out[1]) if rows else (None, None)
@@ -364,8 +372,8 @@ def quantize_groups_rowwise(
         xs, offs, row_amax, col_amax, q, s, qt, st, t, k, groups, p, cfg.cast_k_chunk,
         float(fp8_max), float(amax_epsilon), ROWS=rows, POW2=bool(power_2_scales),
         E5M2=fp8_dtype == recipes.E5M2, CAST=cast, BF16_BITS=bf16_bits, BLOCK_P=bp, BLOCK_K=bk,
-        G_PAD=g_pad, ALIGN=providers.TOKEN_ALIGN, num_warps=cfg.cast_warps,
-        num_stages=cfg.stages,
+        G_PAD=g_pad, ALIGN=providers.TOKEN_ALIGN, STAGES=cfg.cast_stages,
+        num_warps=cfg.cast_warps,
         **_tq._launch_options())
     return out
 

@@ -37,13 +37,24 @@ The amaxes and scales add 4 bytes per row and per column. Measured on an H200 (t
 Triton 3.6, ``benchmarks/quantize_kernels.py``), (16, 4096, 7168) bf16: both copies 1.28 ms
 (amax pass 0.39, cast pass 0.90), rowwise 0.57 ms, columnwise 0.79 ms; 1.09x, 1.10x and 0.99x
 the Inductor times above. The cast pass writing both copies moves its bytes at about 2.1 TB/s,
-half the card's copy bandwidth: the rest of the gap to the byte count is there. Its default tile
-holds 64 elements a thread: ``ptxas`` gives the cast kernel 255 registers and spills (1,440
-bytes of spill stores a thread for both copies). Tiles of 8 elements a thread keep it in
-registers (111, no spill) but were slower on the H200 (``--sweep``, same shape: both copies
-2.42 ms with amax tiles of (16, 512) over 8 warps, whose column maxima are then reduced across
-warps at every tile; 1.95 ms with (8, 512) over 4 warps), and so was a rowwise kernel holding
-whole rows in registers for one read (0.62 against 0.57 ms: the second read hits the cache).
+half the card's copy bandwidth: the rest of the gap to the byte count is there. Tiles of 8
+elements a thread were slower on the H200 (``--sweep``, same shape: both copies 2.42 ms with
+amax tiles of (16, 512) over 8 warps, whose column maxima are then reduced across warps at
+every tile; 1.95 ms with (8, 512) over 4 warps), and so was a rowwise kernel holding whole rows
+in registers for one read (0.62 against 0.57 ms: the second read hits the cache).
+
+What a memory-bound loop lacks is bytes in flight. Those kernels ran every loop unpipelined:
+a program loads a tile, waits for it, computes and stores it, then loads the next (Triton's
+launch option ``num_stages`` pipelines only loops that hold a GEMM; the PTX is the same at
+every value of it). As launched on sm_90 (``benchmarks/quantize_kernels.py --resources``, on
+the CPU), the default cast kernel of both copies takes 127 registers: 4 programs of 4 warps an
+SM, one (32, 128) bf16 tile each, 32 KiB in flight an SM; torchao's transposed cast, which ran
+at about 3.95 TB/s, keeps 4 programs of one (128, 128) tile each, 128 KiB. With
+``cast_stages``, ``rows_stages`` or ``amax_stages`` above 1 a loop's loads of the next tiles
+are asynchronous copies into shared memory (``tl.range``'s ``num_stages``) issued while a tile
+is computed: the cast kernel of both copies at 3 stages takes 96 registers and 17 KiB of shared
+memory, 5 programs an SM with two tiles each in flight, 80 KiB. Not yet timed: the defaults stay
+the unpipelined loops the H200 measured, and ``--sweep`` times the depths.
 
 Numerics (each bit-identical to the torch code):
 
@@ -126,8 +137,13 @@ class KernelConfig:
     ``cast``: how fp32 becomes fp8: ``"ptx"`` (the ``cvt.rn.satfinite`` instruction through
     inline PTX; sm_89+ GPUs) or ``"soft"`` (integer arithmetic: any device, and the
     interpreter); None picks ``"ptx"`` where it can run.
-    ``stages``: Triton's ``num_stages`` for every launch (its default, 3: how deep the
-    compiler may pipeline the loads of the kernels' loops).
+    ``amax_stages``, ``cast_stages``, ``rows_stages``: how deep Triton pipelines the loads of
+    the amax pass's, the cast pass's and the rowwise kernel's loop (``tl.range``'s
+    ``num_stages``): at S > 1 the loads of the next S - 1 tiles are in flight (``cp.async`` into
+    shared memory, one tile's bytes per stage) while a tile is computed; at 1 a loop loads a
+    tile, computes and stores it, then loads the next. These loops hold no GEMM, so Triton's
+    launch option ``num_stages`` pipelines none of them: the kernels the H200 timed ran at 1
+    (``tests/test_triton_compile.py`` checks which loops a depth pipelines).
     """
 
     amax_block: tuple[int, int] = (32, 512)
@@ -141,7 +157,9 @@ class KernelConfig:
     rows_reverse: bool = False
     fuse_rows: bool = True
     cast: str | None = None
-    stages: int = 3
+    amax_stages: int = 1
+    cast_stages: int = 1
+    rows_stages: int = 1
 
     def __post_init__(self) -> None:
         for b in (*self.amax_block, *self.cast_block, *self.rows_block):
@@ -151,13 +169,18 @@ class KernelConfig:
             raise ValueError(f"amax_n_chunk must be a multiple of amax_block[0], got {self}")
         if self.cast_k_chunk < self.cast_block[1] or self.cast_k_chunk % self.cast_block[1]:
             raise ValueError(f"cast_k_chunk must be a multiple of cast_block[1], got {self}")
-        if self.stages < 1:
-            raise ValueError(f"stages must be positive, got {self}")
+        _check_stages(self, "amax_stages", "cast_stages", "rows_stages")
         if self.cast not in (None, *_CASTS):
             raise ValueError(f"cast must be one of {_CASTS} or None, got {self.cast!r}")
 
 
 _CASTS = ("ptx", "soft")
+
+
+def _check_stages(config: object, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be positive, got {config}")
 DEFAULT_CONFIG = KernelConfig()
 
 
@@ -255,7 +278,7 @@ if triton is not None:
     @triton.jit
     def _amax_kernel(x_ptr, row_amax_ptr, col_amax_ptr, N, K, N_CHUNK,
                      ROWS: tl.constexpr, COLS: tl.constexpr, BF16_BITS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
         """Row and/or column maxima of |x| into int32 buffers holding fp32 bits (amaxes are
         >= +0, where the integer order of the bits is the float order). A program walks
         N_CHUNK rows of BLOCK_K columns: its column maxima stay in registers until the end."""
@@ -267,7 +290,8 @@ if triton is not None:
         k_in = k < K
         col_max = tl.zeros([BLOCK_K], dtype=tl.float32)
         n_start = pid_n * N_CHUNK
-        for n0 in range(n_start, tl.minimum(n_start + N_CHUNK, N), BLOCK_N):
+        for n0 in tl.range(n_start, tl.minimum(n_start + N_CHUNK, N), BLOCK_N,
+                            num_stages=STAGES):
             n = n0 + tl.arange(0, BLOCK_N)
             n_in = n < N
             a = _abs_no_nan(_load_f32(x_ptr + n[:, None] * K + k[None, :],
@@ -287,7 +311,7 @@ if triton is not None:
                      N, K, K_CHUNK, FP8_MAX, EPS,
                      ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr,
                      E5M2: tl.constexpr, CAST: tl.constexpr, BF16_BITS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
         """The rowwise and/or (transposed) columnwise copies of BLOCK_N rows over K_CHUNK
         columns, a tile at a time, and the scale_inv of those rows (programs of the first
         chunk) and columns (programs of the first rows)."""
@@ -305,7 +329,8 @@ if triton is not None:
             if pid_k == 0:
                 tl.store(s_ptr + e * N + n, row_scale_inv, mask=n_in)
         k_start = pid_k * K_CHUNK
-        for k0 in range(k_start, tl.minimum(k_start + K_CHUNK, K), BLOCK_K):
+        for k0 in tl.range(k_start, tl.minimum(k_start + K_CHUNK, K), BLOCK_K,
+                            num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_in = k < K
             mask = n_in[:, None] & k_in[None, :]
@@ -327,7 +352,7 @@ if triton is not None:
     def _rows_kernel(x_ptr, q_ptr, s_ptr, N, K, FP8_MAX, EPS,
                      POW2: tl.constexpr, E5M2: tl.constexpr, CAST: tl.constexpr,
                      BF16_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     REVERSE: tl.constexpr):
+                     REVERSE: tl.constexpr, STAGES: tl.constexpr):
         """The rowwise copy alone: a program owns BLOCK_N whole rows, reads them once for their
         amaxes and again (from cache, just read; with REVERSE from the last tile) for the
         cast."""
@@ -339,7 +364,7 @@ if triton is not None:
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_in = n < N
         row_max = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             a = _abs_no_nan(_load_f32(x_ptr + n[:, None] * K + k[None, :],
                                       n_in[:, None] & (k < K)[None, :], BF16_BITS))
@@ -348,11 +373,11 @@ if triton is not None:
         tl.store(s_ptr + e * N + n, scale_inv, mask=n_in)
         if REVERSE:
             last = (K - 1) // BLOCK_K * BLOCK_K
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
                 _rows_tile(x_ptr, q_ptr, n, n_in, last - k0, K, scale, FP8_MAX, E5M2, CAST,
                            BF16_BITS, BLOCK_K)
         else:
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
                 _rows_tile(x_ptr, q_ptr, n, n_in, k0, K, scale, FP8_MAX, E5M2, CAST, BF16_BITS,
                            BLOCK_K)
 
@@ -491,8 +516,8 @@ def _amax_pass(xs: Tensor, rows: bool, cols: bool, cfg: KernelConfig
     bn, bk = cfg.amax_block
     launched(_amax_kernel)[(triton.cdiv(k, bk), triton.cdiv(n, cfg.amax_n_chunk), e)](
         xs, row_amax, col_amax, n, k, cfg.amax_n_chunk, ROWS=rows, COLS=cols,
-        BF16_BITS=xs.dtype == torch.int16, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.amax_warps,
-        num_stages=cfg.stages,
+        BF16_BITS=xs.dtype == torch.int16, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.amax_stages,
+        num_warps=cfg.amax_warps,
         **_launch_options())
     return row_amax, col_amax
 
@@ -510,8 +535,8 @@ def _cast_pass(xs: Tensor, row_amax: Tensor | None, col_amax: Tensor | None, out
         xs, row_amax, col_amax, q, s, qt, st, n, k, cfg.cast_k_chunk, float(fp8_max),
         float(amax_epsilon),
         ROWS=rows, COLS=cols, POW2=bool(power_2_scales), E5M2=e5m2, CAST=cast,
-        BF16_BITS=xs.dtype == torch.int16, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.cast_warps,
-        num_stages=cfg.stages,
+        BF16_BITS=xs.dtype == torch.int16, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.cast_stages,
+        num_warps=cfg.cast_warps,
         **_launch_options())
 
 
@@ -574,8 +599,8 @@ def _quantize(x: Tensor, *, fp8_dtype: torch.dtype, fp8_max: float, power_2_scal
         launched(_rows_kernel)[(triton.cdiv(n, bn), e)](
             xs, out[0].view(torch.uint8), out[1], n, k, float(fp8_max), float(amax_epsilon),
             POW2=bool(power_2_scales), E5M2=e5m2, CAST=cast, BF16_BITS=xs.dtype == torch.int16,
-            BLOCK_N=bn, BLOCK_K=bk, REVERSE=cfg.rows_reverse, num_warps=cfg.rows_warps,
-            num_stages=cfg.stages, **_launch_options())
+            BLOCK_N=bn, BLOCK_K=bk, REVERSE=cfg.rows_reverse, STAGES=cfg.rows_stages,
+            num_warps=cfg.rows_warps, **_launch_options())
         return out
     row_amax, col_amax = _amax_pass(xs, rows, cols, cfg)
     _cast_pass(xs, row_amax, col_amax, out, fp8_max=fp8_max, power_2_scales=power_2_scales,
