@@ -11,7 +11,9 @@ seq 4096). Configs: graphpass bf16 (the experts on bf16 ``_grouped_mm`` / ``bmm`
 ``rowwise``, FP8 ``tensorwise`` with ``fp8_format="e4m3"`` (every expert GEMM one grouped kernel,
 as rowwise) and FP8 ``tensorwise`` in its default HYBRID format (E5M2 gradients: dgrad and wgrad
 one GEMM per expert), all on ``kernels="scaled_mm"``; speedups are against the bf16 row of the
-same run. Each FP8 step is then profiled (``torch.profiler``): its kernel time, the GEMM
+same run. Rows a ``--configs`` filter runs only where it names them: the token quantizes left to
+Inductor, every GEMM's accumulation fast, ``fp8_weight_once`` (each expert weight quantized once
+a step, dgrad's copy held through the backward) and the CUDA-graph rows. Each FP8 step is then profiled (``torch.profiler``): its kernel time, the GEMM
 share, the GEMM launches and device copies per step (a per-expert loop shows as at least one
 GEMM launch per expert, judged; its copies are reported beside), its top kernels, and the host
 time of graphpass's graph ops (their CPU time under the profiler, with the allocations and
@@ -82,7 +84,8 @@ INDUCTOR_TOKENS = "inductor_token_quantize"  # a benchmark switch, not a graphpa
 # fast-accumulation row
 INDUCTOR_TOKEN_ROW = "Inductor token quantize"
 FAST_ACCUMULATION = "fast accumulation"  # torchao's accumulation: opt-in, like for like
-OPT_IN = (GRAPHS, INDUCTOR_TOKEN_ROW, FAST_ACCUMULATION)
+WEIGHT_ONCE = "weight once"  # fp8_weight_once: a memory decision, opt-in
+OPT_IN = (GRAPHS, INDUCTOR_TOKEN_ROW, FAST_ACCUMULATION, WEIGHT_ONCE)
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
     ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
@@ -94,6 +97,11 @@ CONFIGS: list[tuple[str, dict[str, object]]] = [
     # default is Transformer Engine's: fast for the forward GEMM, precise for dgrad and wgrad)
     (f"FP8 rowwise/scaled_mm, {FAST_ACCUMULATION}", {"fp8": "rowwise", "kernels": "scaled_mm",
                                                      "fp8_accumulate": "fast"}),
+    # each expert weight's two FP8 copies from one read in the forward, dgrad's kept for the
+    # backward (fp8_weight_once, Transformer Engine's default): the backward's amax and cast
+    # passes over the weights go, for 1 byte a weight element held through the step
+    (f"FP8 rowwise/scaled_mm, {WEIGHT_ONCE}", {"fp8": "rowwise", "kernels": "scaled_mm",
+                                              "fp8_weight_once": True}),
     ("FP8 tensorwise e4m3/scaled_mm", {"fp8": "tensorwise", "fp8_format": "e4m3",
                                        "kernels": "scaled_mm"}),
     ("FP8 tensorwise/scaled_mm", {"fp8": "tensorwise", "kernels": "scaled_mm"}),

@@ -91,7 +91,7 @@ def test_experts_benchmark_dry_run(tmp_path):
     # every config but the fast-accumulation one (a recipe option the other tests cover)
     assert experts.main(["--dry-run", "--cases", "experts_8k", "--steps", "1",
                          "--configs", "FP8", "Inductor token quantize", "CUDA graphs",
-                         "--out", str(out)]) == 0
+                         "weight once", "--out", str(out)]) == 0
     text = out.read_text()
     assert "NOT GPU numbers" in text
     header = [c.strip() for c in re.search(r"^\| case .*$", text, re.M).group(0)
@@ -101,7 +101,8 @@ def test_experts_benchmark_dry_run(tmp_path):
         for m in re.finditer(r"^\| experts.*$", text, re.M))}
     ms, launches, note = (header.index(h) for h in ("median ms", "GEMM launches/step", "note"))
     for config in ("bf16", "FP8 rowwise/scaled_mm",
-                   "FP8 rowwise/scaled_mm, Inductor token quantize", "FP8 tensorwise e4m3/scaled_mm",
+                   "FP8 rowwise/scaled_mm, Inductor token quantize",
+                   "FP8 rowwise/scaled_mm, weight once", "FP8 tensorwise e4m3/scaled_mm",
                    "FP8 tensorwise/scaled_mm", "bf16, 4 micro-batches",
                    "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache", "bf16, CUDA graphs",
                    "FP8 rowwise/scaled_mm, CUDA graphs"):
@@ -172,6 +173,10 @@ def test_experts_comparison_rows_run_under_a_filter_only_when_it_names_them():
     assert dict(experts.CONFIGS)[fast]["fp8_accumulate"] == "fast"
     assert not experts.picked(fast, ["rowwise"], experts.OPT_IN)
     assert experts.picked(fast, ["rowwise", "fast accumulation"], experts.OPT_IN)
+    once = f"FP8 rowwise/scaled_mm, {experts.WEIGHT_ONCE}"  # a memory decision
+    assert dict(experts.CONFIGS)[once]["fp8_weight_once"] is True
+    assert not experts.picked(once, ["rowwise"], experts.OPT_IN)
+    assert experts.picked(once, ["rowwise", "weight once"], experts.OPT_IN)
 
 
 def test_experts_kernel_time_counts_each_kernel_once():
