@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Transformer Engine on the GPU machine, in one call (one H100 or H200; about 220 s of
+# Transformer Engine on the GPU machine, in one call (one H100 or H200; about 280 s of
 # commands). Carry the TE bundle and the torchao wheel (the device tool's
 # `carry: [".te-bundle/dist", ".whl"]`; `scripts/te_gpu_bundle.sh` builds the bundle). From the
 # repository root on the GPU machine:
@@ -9,7 +9,9 @@
 # Stages:
 #   1. te_tests.log    TE's import (in a fresh interpreter after torch ran cuDNN attention, as
 #                      in a process that has run bf16 steps), graphpass's TE provider against
-#                      TE's API, `kernels="te"` against the reference on a linear (60 s)
+#                      TE's API, `kernels="te"` against the reference on a linear, TE's own
+#                      modules compiled with graphpass (traced as TE's ops or kept from Dynamo:
+#                      the test prints which) (120 s)
 #   2. te_steps.md     the Llama-3-8B and GPT-3 layers: bf16, FP8 tensorwise on torch's
 #                      `_scaled_mm` and on TE's GEMMs, one run (130 s)
 #   3. te_profile.log  the kernels of the FP8 Llama step on TE's GEMMs (60 s)
@@ -24,7 +26,7 @@ if [ -z "$bundle" ]; then
 fi
 python3 -m tarfile -e "$bundle" /tmp/te > /dev/null 2>&1
 export PYTHONPATH="/tmp/te:$PYTHONPATH"
-stage te_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_te.py \
+stage te_tests 120 python3 -m pytest -q -s -p no:cacheprovider tests/test_te.py \
     tests/test_fp8_lowering.py::test_providers_agree_on_gpu tests/test_kernel_choice.py
 stage te_steps 130 python3 benchmarks/gpu_report.py --models llama gpt --no-pytest \
     --sections steps --budget-s 115 --configs "scaled_mm, default" "tensorwise/te" \
@@ -32,6 +34,7 @@ stage te_steps 130 python3 benchmarks/gpu_report.py --models llama gpt --no-pyte
 stage te_profile 60 python3 benchmarks/profile_step.py --model llama --fp8 tensorwise \
     --kernels te --top 14
 cat "$out/machine.txt" "$out/stages.txt"
+grep -h "graph(s);" "$out/te_tests.log"
 tail -n 3 "$out/te_tests.log"
 grep -hE "^\| (bf16|graphpass)|^- (PASS|FAIL|NOT)" "$out/te_steps.md" 2>/dev/null
 head -n 4 "$out/te_profile.log"

@@ -16,6 +16,7 @@ import torch.fx as fx
 from . import _compat
 from .config import Config
 from .graph.nodes import Root, Step, frame_arguments, frame_roots, parse_source, root_steps
+from .graph.foreign import frame_library_modules, library_modules
 from .pipeline import run
 from .report import Report
 from .reporting import remember
@@ -181,9 +182,11 @@ def input_sources(gm: fx.GraphModule) -> Iterator[None]:
     roots, models = _module_roots(gm, sources)
     roots_token = frame_roots.set(roots)
     arguments_token = frame_arguments.set(_positional_arguments(models))
+    libraries_token = frame_library_modules.set(library_modules(models))
     try:
         yield
     finally:
+        frame_library_modules.reset(libraries_token)
         frame_arguments.reset(arguments_token)
         frame_roots.reset(roots_token)
         _graph_inputs.reset(token)

@@ -73,6 +73,9 @@ class What(enum.Enum):
     RECOMPILED = "recompile: {why}"
     # the backward's order for Inductor
     BACKWARD_ORDER = "order_backward: {why}"
+    # another library's layers (graph/foreign.py): its ops in the graph, or its module outside
+    LIBRARY_OPS = "left to {by}: {module}: {why}"
+    OUTSIDE_GRAPH = "outside the graph: {module}: {why}"
 
 
 @dataclass(frozen=True)

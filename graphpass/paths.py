@@ -18,3 +18,13 @@ def layer_of(path: str) -> str:
 def natural_key(text: str) -> tuple[object, ...]:
     """Sort key that orders digit runs by value: ``layers.2`` before ``layers.10``."""
     return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", text)))
+
+
+def within(path: str, module: str) -> bool:
+    """Whether ``path`` is ``module`` or a module inside it (``layers.0.fc1`` in ``layers.0``)."""
+    return path == module or path.startswith(module + ".")
+
+
+def nested(a: str, b: str) -> bool:
+    """Whether one of two module paths is the other or inside it."""
+    return within(a, b) or within(b, a)

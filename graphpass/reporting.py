@@ -19,6 +19,7 @@ from .decisions import Decision, Plan, What
 from .fp8.inductor import fusion_notes, quantize_code
 from .graph.collectives import collective_notes, fp8_distributed_notes
 from .graph.flops import step_flops
+from .graph.foreign import foreign_notes
 from .graph.gemms import coverage
 from .graph.joint import primal_input_indices
 from .graph.offload_copies import copy_notes, offload_copies
@@ -74,6 +75,7 @@ class ReportBuilder:
             *outcome,
             *copy_notes(offload_copies(fw, bw), synchronous=self.config.offload_stream is False),
             *collective_notes(fw, bw),  # a tensor/sequence-parallel rank's communication
+            *foreign_notes((fw, bw)),  # other libraries' layers: in the graph or outside it
             *(fp8_distributed_notes(fw, bw, fsdp=fsdp) if lowered else []),
             *(Decision(What.SIZES_ASSUMED, "sizes", why) for why in _compat.assumed_sizes_why(assumed)),
         ]

@@ -135,3 +135,55 @@ def test_te_imports_after_torch_used_cudnn_on_gpu():
     run = subprocess.run([sys.executable, "-c", _AFTER_CUDNN], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_te_modules_compiled_with_graphpass_on_gpu():
+    """TE's own modules (``te.LayerNormLinear``, ``te.Linear``) beside a torch linear, compiled
+    with graphpass in FP8: the step runs, its gradients are eager's within bf16's rounding plus
+    the FP8 linear's bound, the torch linear is lowered, and each TE module has one note: its
+    ops ``left to Transformer Engine`` where TE traces it as its own custom ops (TE 2.20 on a
+    torch with opaque constant types), else ``outside the graph`` (TE keeps it from Dynamo).
+    Whichever happened is printed, for the issue's note."""
+    import graphpass
+    from graphpass import What
+
+    te = importlib.import_module("transformer_engine.pytorch")
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            kw = dict(params_dtype=torch.bfloat16, device="cuda")
+            self.ln_fc1 = te.LayerNormLinear(256, 512, **kw)
+            self.fc2 = te.Linear(512, 256, **kw)
+            self.out = torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.out(self.fc2(torch.nn.functional.gelu(self.ln_fc1(x))))
+
+    def step(model, run):
+        torch.manual_seed(1)
+        x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        run(x).float().square().mean().backward()
+        grads = [x.grad, *(p.grad for p in model.parameters())]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Model()
+    eager = step(model, model)
+    backend = graphpass.backend(fp8="tensorwise", kernels="scaled_mm")
+    compiled = step(model, torch.compile(model, backend=backend))
+    report = backend.report()
+    notes = [n for n in report.notes if n.startswith(("left to", "outside the graph"))]
+    print(f"{report.graphs} graph(s); " + "; ".join(notes))
+    for module in ("ln_fc1", "fc2"):
+        said = [d for d in report.decisions if d.module == module
+                and d.what in (What.LIBRARY_OPS, What.OUTSIDE_GRAPH)]
+        assert len(said) == 1 and said[0].by == "Transformer Engine", (module, notes)
+    assert "lowered: out (scaled_mm/tensorwise)" in report.notes, report.notes
+    for e, c in zip(eager, compiled):
+        assert torch.isfinite(c).all()
+        torch.testing.assert_close(c.float(), e.float(), rtol=0.1, atol=0.02 * e.abs().max())

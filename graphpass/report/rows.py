@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..decisions import Decision, What
+from ..paths import nested
 from .coverage import merge_coverage
 from .peak import merge_peaks
 from .table import table
@@ -126,7 +127,9 @@ class Report(SavedTotals):
         changed under ``dynamic=False``) replaces its earlier compile's graphs, which run no
         more in that step: only the latest compile of each frame is merged, with a
         ``recompile:`` note saying what it replaced (``meta["replaced_graphs"]`` counts them).
-        A note about the config (``unused:``), which every graph repeats, is kept once."""
+        A note about the config (``unused:``), which every graph repeats, is kept once; so is an
+        ``outside the graph`` note of a library's module, dropped where another graph holds the
+        module's ops (``left to``)."""
         all_reports = list(reports)
         reports, replaced = _latest_compiles(all_reports)
         merged = Report(rows=[], notes=[], graphs=0, meta=dict(reports[0].meta) if reports else {})
@@ -154,6 +157,7 @@ class Report(SavedTotals):
             merged.meta["step_peak"] = merge_peaks(
                 [rep.meta["step_peak"] for rep in reports], [rep.activation_bytes for rep in reports],
                 [rep.meta["step_peak"]["by_kind"].get("parameter", 0) for rep in reports])
+        _outside_once(merged)
         if replaced:
             merged.decisions += replaced
             merged.notes += [str(d) for d in replaced]
@@ -223,3 +227,18 @@ def _latest_compiles(reports: list[Report]) -> tuple[list[Report], list[Decision
             f"its graph replaces the {len(old)} graph(s) of compile {earlier}, which this report "
             "leaves out (they run only for inputs that pass their guards)")))
     return kept, notes
+
+
+def _outside_once(report: Report) -> None:
+    """Drops from ``report``'s decisions and notes each ``outside the graph`` note said before, or
+    of a module some of whose ops a graph holds (a ``left to`` note of it, of a module it is in or
+    of one inside it)."""
+    traced = [d.module for d in report.decisions if d.what is What.LIBRARY_OPS]
+    kept: list[Decision] = []
+    for d in report.decisions:
+        if d.what is What.OUTSIDE_GRAPH and (
+                d in kept or any(nested(module, d.module) for module in traced)):
+            report.notes.remove(str(d))
+            continue
+        kept.append(d)
+    report.decisions = kept
