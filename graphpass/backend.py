@@ -7,6 +7,8 @@ import contextvars
 import functools
 import hashlib
 import inspect
+import re
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -202,9 +204,17 @@ def module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> dict
     return _module_roots(gm, sources)[0]
 
 
+# The models of the frames compiled so far (weakly): a graph break's resume frame holds modules of
+# them under the names of dynamo's stack (``___stack1``), whose paths are found here.
+_models_seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_STACK_LOCAL = re.compile(r"___stack\d+$")
+
+
 def _module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> tuple[
         dict[tuple[str, tuple[Step, ...]], Root], list[torch.nn.Module]]:
-    """:func:`module_roots`, and the models its roots lead to."""
+    """:func:`module_roots`, and the models its roots lead to. A module a resume frame holds on
+    dynamo's stack (the callee of an expression the graph broke in: ``self.fc2(f(x))`` breaking
+    at ``f``) is a root too, at its path in the model of an earlier frame that holds it."""
     scopes = _compat.frame_scopes()
     if scopes is None:
         return {}, []
@@ -222,9 +232,24 @@ def _module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> tup
         key = (local, tuple(steps[:root_steps(steps)]))
         if key not in roots and variable in scope:
             roots[key], model = _root(scope[variable], list(key[1]))
-            if model is not None and all(model is not m for m in models):
+            if model is None:
+                continue
+            if _STACK_LOCAL.match(variable):
+                roots[key] = roots[key]._replace(prefix=_seen_path(model))
+            else:
+                _models_seen.add(model)
+            if all(model is not m for m in models):
                 models.append(model)
     return roots, models
+
+
+def _seen_path(module: torch.nn.Module) -> str:
+    """``module``'s path in a model of an earlier frame, or ``""``."""
+    for model in list(_models_seen):
+        for path, sub in model.named_modules():
+            if sub is module:
+                return path
+    return ""
 
 
 def _root(obj: Any, steps: list[Step]) -> tuple[Root, torch.nn.Module | None]:

@@ -189,3 +189,18 @@ def test_merge_keeps_outside_notes_only_for_modules_no_graph_traced(order):
     merged = Report.merge(parts if order == "traced first" else parts[::-1])
     assert sorted(merged.notes) == sorted([str(left), str(kept)])
     assert sorted(merged.decisions, key=str) == sorted([left, kept], key=str)
+
+
+def test_a_module_called_across_a_graph_break_keeps_its_name():
+    """``self.fc2(gelu(self.fc1(...)))`` breaking at ``fc1``: the resume frame holds ``fc2`` on
+    dynamo's stack (``L['___stack1']``), not under ``self``; its path is found in the model of
+    the frame before the break, so the lowered linear is ``fc2``, not ``<root>``."""
+    torch._dynamo.reset()
+    model = Block(traced=False)
+    backend = graphpass.backend(codegen="eager", fp8="tensorwise", kernels="reference")
+    _step(model, backend)
+    report = backend.report()
+    assert report.graphs == 2
+    assert "lowered: fc2 (reference/tensorwise)" in report.notes, report.notes
+    assert not [n for n in report.notes if "<root>" in n], report.notes
+    assert {r.module for r in report.rows if r.name.startswith("g1.")} >= {"fc2"}

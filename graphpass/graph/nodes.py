@@ -43,6 +43,10 @@ class Root(NamedTuple):
     """How many steps after the local lead to the model (``args[0]``: one)."""
     through: tuple[str, ...] = ()
     """Wrapper modules' attributes after those steps that paths leave out (``module``)."""
+    prefix: str = ""
+    """The root's own path in the model, where the frame holds a module of it under a name of
+    its own (a graph break's resume frame: ``L['___stack1']`` for ``fc2``, see
+    ``backend._module_roots``)."""
 
 
 # Set by the backend around a compile: the frame's roots, found from its objects
@@ -127,7 +131,8 @@ def normalize_path(source: str, *, of_module: bool = True) -> str:
     through = len(root.through)
     if tuple(s.name for s in steps[:through]) == root.through:
         steps = steps[through:]
-    return ".".join(s.name for s in steps if s.name not in TORCH_WRAPPERS)
+    return ".".join([*filter(None, [root.prefix]),
+                     *(s.name for s in steps if s.name not in TORCH_WRAPPERS)])
 
 
 def module_stack(node: fx.Node) -> list[tuple[str, type]]:
