@@ -775,7 +775,15 @@ def test_experts_step_on_aligned_wgrad_operands_is_the_per_group_recipe(monkeypa
         got = step(dict(codegen=codegen, kernels="scaled_mm"))
         assert sorted(grouped) == ["2d x 2d"] * 2 + ["2d x 3d"] * 4 and not single, codegen
         if codegen == "eager" or exact:
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), codegen
+            # y and dx bit for bit; the weight gradients to within rounding: the 2d x 2d kernel
+            # (and its CPU emulation) contracts each group over its 16-aligned columns, zero
+            # padding included, and a CPU matmul's fp32 sums over a longer contraction may
+            # round differently (an AMD EPYC's did: 13 of 393,216 elements one or two bf16
+            # ulps apart), so within a bf16 ulp of the tensor's largest value
+            assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2])), codegen
+            for a, b in zip(got[2:], want[2:]):
+                torch.testing.assert_close(a, b, rtol=0, atol=2**-8 * b.abs().max().item(),
+                                           msg=codegen)
 
 
 def test_grouped_gemms_note_says_how_each_gemm_accumulates():
