@@ -194,12 +194,13 @@ def test_a_pipelining_depth_pipelines_every_loop_over_tiles(compile_results, fam
         for call in fns:
             for fn, args, kwargs in _launches(call):
                 ptx = {}
-                for num_stages in (1, 3):
+                for num_stages in (1, 3) if depth == 1 else (3,):
                     kernel = compile_launch(fn, args, kwargs, specialise=True,
                                             options={"num_stages": num_stages})
                     ptx[num_stages] = kernel.asm["ptx"].split(".target", 1)[1]
                     shared = kernel.metadata.shared
-                assert ptx[1] == ptx[3], f"{fn.__name__}: num_stages changed the code"
+                if depth == 1:
+                    assert ptx[1] == ptx[3], f"{fn.__name__}: num_stages changed the code"
                 seen[(fn.__name__, depth)] = ("cp.async" in ptx[3], shared)
     assert {name for name, _ in seen} == ({"_amax_kernel", "_cast_kernel", "_rows_kernel"}
                                           if family == "experts" else
