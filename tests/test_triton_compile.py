@@ -8,7 +8,8 @@ interpreter test passed. Here each kernel launch the quantize functions make, fo
 they launch (rows, columns or both; bf16, fp16 and fp32 inputs; E4M3 and E5M2; power-of-2
 scales; the CUDA fp8 cast by PTX), is recorded instead of run and compiled by
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` down to a cubin, with the ptxas Triton's wheel
-carries: the same compiler passes as on the GPU machine, without one.
+carries: the same compiler passes as on the GPU machine, without one (``benchmarks/_sm90.py``,
+which ``quantize_kernels.py --resources`` uses too).
 """
 
 from __future__ import annotations
