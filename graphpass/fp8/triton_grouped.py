@@ -35,9 +35,9 @@ amax passes, and its transposed stores are strided (about 0.46 ms, 1.3 TB/s, for
   by exactly one program per K chunk. It reads its rows of x a (BLOCK_P, BLOCK_K) tile at a time
   (a gather of whole rows: loads along K), writes the rowwise tile with the rows' scales and,
   through the tile's transpose, the columnwise tile at its aligned columns (stores along the
-  tokens, coalesced), the groups' scales selected per column from the few groups in the block;
-  padding columns are written as zero bytes in the same store, so the (K, P) copy needs no
-  memset. The rowwise scale_inv is written by the programs of the first K chunk, the
+  tokens, coalesced), each run of 16 aligned columns (one group's: the groups' aligned ranges
+  start at multiples of 16) taking its group's column scales; padding columns are written as
+  zero bytes in the same store, so the (K, P) copy needs no memset. The rowwise scale_inv is written by the programs of the first K chunk, the
   columnwise scale_inv (G, K) by the programs of each K chunk, groups strided over them.
 
 Bytes per element of x, with s bytes per input element (2 for bf16): x is read twice and one
