@@ -129,11 +129,13 @@ class Resources:
 
 def resources(kernel) -> Resources:
     """What ptxas gives a compiled kernel (``ptxas -v`` on its PTX, for sm_90a as Triton
-    compiles it)."""
+    compiles it, with the ptxas Triton picks for sm_90: triton 3.9's PTX needs its newer one)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
-        out = subprocess.run([str(tool("ptxas")), "-arch=sm_90a", "-v", f.name, "-o",
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o",
                               "/dev/null"], capture_output=True, text=True, check=True).stderr
     registers = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)

@@ -244,7 +244,10 @@ if triton is not None:
             scale = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
             for j in tl.static_range(BLOCK_P // SUB):
                 g = tl.sum(tl.where(tl.arange(0, BLOCK_P) == j * SUB, group, 0), axis=0)
-                g_amax = tl.load(col_amax_ptr + g * K + k, mask=k_in & (g < G), other=0).to(
+                # g broadcast to the block first: triton 3.9's interpreter refuses a block
+                # and-ed with a scalar bool
+                in_run = k_in & (tl.zeros_like(k) + g < G)
+                g_amax = tl.load(col_amax_ptr + g * K + k, mask=in_run, other=0).to(
                     tl.float32, bitcast=True)
                 s, _ = _scales(g_amax, FP8_MAX, EPS, POW2)
                 scale = tl.where((run == j)[:, None], s[None, :], scale)
