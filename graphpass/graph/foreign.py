@@ -33,11 +33,15 @@ from ..decisions import Decision, What
 from ..paths import nested
 from .nodes import module_stack
 
-# Namespaces of torch's own ops (and graphpass's): every other op overload is a library's.
+# Namespaces of torch's own ops (those torch 2.15 registers, and graphpass's): every other op
+# overload is a library's.
 TORCH_NAMESPACES = frozenset({
-    "aten", "prims", "graphpass", "higher_order", "inductor", "profiler", "rngprims", "debugprims",
-    "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor",
-    "fsdp", "quantized_decomposed", "quantized", "_quantized", "streams", "_inductor_test"})
+    "aten", "prims", "graphpass", "higher_order", "inductor", "inductor_prims", "profiler",
+    "rngprims", "debugprims", "debug_mode_ops", "_c10d_functional", "c10d_functional",
+    "_c10d_functional_autograd", "c10d", "_dtensor", "fsdp", "symm_mem", "quantized_decomposed",
+    "quantized", "_quantized", "quantization", "mkl", "mkldnn", "mkldnn_prepacked", "onednn",
+    "sparse", "streams", "mempool", "export", "onnx", "flex_gemm", "flex_lib", "_native",
+    "_native_aot", "_test", "_inductor_test"})
 # Libraries whose modules the report names where their ops are missing from a graph: module
 # prefix of the class, and the library's name.
 LIBRARIES = {"transformer_engine": "Transformer Engine"}
