@@ -4,9 +4,9 @@ A quantize function's launches are recorded instead of run (:func:`launches`), e
 by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the ptxas Triton's wheel carries
 (:func:`compile_launch`), specialised as Triton's launcher specialises a launch on a GPU where
 asked, and ptxas says what the machine code takes (:func:`resources`: registers, spill stores,
-shared memory). From those, how many programs of a kernel an SM holds at once and how many
-bytes of the input its programs have in flight (:func:`occupancy`): what a memory-bound loop's
-bandwidth follows. Used by ``tests/test_triton_compile.py`` and ``quantize_kernels.py
+shared memory). From those, how many programs of a kernel an SM holds at once
+(:func:`programs_per_sm`) and how many bytes of the input its programs have in flight
+(:func:`in_flight`): what a memory-bound loop's bandwidth follows. Used by ``tests/test_triton_compile.py`` and ``quantize_kernels.py
 --resources``.
 """
 
@@ -113,7 +113,8 @@ def compile_launch(fn, args: tuple, kwargs: dict, *, specialise: bool = False,
 
 
 def tool(name: str) -> Path:
-    """A CUDA tool Triton's wheel carries (ptxas, nvdisasm)."""
+    """A CUDA tool Triton's wheel carries by name (nvdisasm; for ptxas, :func:`resources` asks
+    Triton which one it uses for sm_90)."""
     import triton
 
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name

@@ -37,8 +37,9 @@ amax passes, and its transposed stores are strided (about 0.46 ms, 1.3 TB/s, for
   through the tile's transpose, the columnwise tile at its aligned columns (stores along the
   tokens, coalesced), each run of 16 aligned columns (one group's: the groups' aligned ranges
   start at multiples of 16) taking its group's column scales; padding columns are written as
-  zero bytes in the same store, so the (K, P) copy needs no memset. The rowwise scale_inv is written by the programs of the first K chunk, the
-  columnwise scale_inv (G, K) by the programs of each K chunk, groups strided over them.
+  zero bytes in the same store, so the (K, P) copy needs no memset. The rowwise scale_inv is
+  written by the programs of the first K chunk, the columnwise scale_inv (G, K) by the programs
+  of each K chunk, groups strided over them.
 
 Bytes per element of x, with s bytes per input element (2 for bf16): x is read twice and one
 byte written per copy: 2s + 2 (6 for bf16; 10 for fp32), against about 4s + 2 (10 for bf16) for
