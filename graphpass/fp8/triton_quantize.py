@@ -49,7 +49,7 @@ launch option ``num_stages`` pipelines only loops that hold a GEMM; the PTX is t
 every value of it). As launched on sm_90 (``benchmarks/quantize_kernels.py --resources``, on
 the CPU), the default cast kernel of both copies takes 127 registers: 4 programs of 4 warps an
 SM, one (32, 128) bf16 tile each, 32 KiB in flight an SM; torchao's transposed cast, which ran
-at about 3.95 TB/s, keeps 4 programs of one (128, 128) tile each, 128 KiB. With
+at about 3.95 TB/s, reads one (128, 128) tile, 32 KiB, a program of 4 warps. With
 ``cast_stages``, ``rows_stages`` or ``amax_stages`` above 1 a loop's loads of the next tiles
 are asynchronous copies into shared memory (``tl.range``'s ``num_stages``) issued while a tile
 is computed: the cast kernel of both copies at 3 stages takes 96 registers and 17 KiB of shared
