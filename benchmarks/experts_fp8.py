@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import graphpass  # noqa: E402
+from graphpass.backend import Backend  # noqa: E402
 from _harness import (CUDAGRAPHS, GRAPHS, Result, cuda_graphs, is_gemm, measure, picked,  # noqa: E402
                       reason, step_ms)
 
@@ -54,6 +55,8 @@ TARGETS = {"experts, 32,768 tokens": 1.30, "experts, 8,192 tokens": 1.0, "DeepSe
 # ... and with 4 micro-batches per optimizer step and the weight cache, ms per micro-batch
 TARGETS_ACCUMULATING = {"experts, 8,192 tokens": 1.15, "DeepSeek-V3 layer": 1.10}
 ACCUMULATING = 4
+ACCUMULATING_OPTIONS = {"fp8_weight_cache": True, "fp8_cost_model": "off"}
+ACCUMULATING_LABEL = "weight cache, every GEMM"
 
 
 @dataclass
@@ -80,44 +83,51 @@ def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[
 
 INDUCTOR_TOKENS = "inductor_token_quantize"  # a benchmark switch, not a graphpass option
 # Rows a --configs filter runs only where it names them: the launch-gap rows, the Inductor
-# token quantize row (what the Triton kernels gain: measured, 1.5x to 2x on an H200) and the
-# fast-accumulation row
+# token quantize row (what the Triton kernels gain: measured, 1.5x to 2x on an H200), the
+# fast-accumulation row and the row that lowers every GEMM whatever the cost model says
 INDUCTOR_TOKEN_ROW = "Inductor token quantize"
 FAST_ACCUMULATION = "fast accumulation"  # torchao's accumulation: opt-in, like for like
 WEIGHT_ONCE = "weight once"  # fp8_weight_once: a memory decision, opt-in
-OPT_IN = (GRAPHS, INDUCTOR_TOKEN_ROW, FAST_ACCUMULATION, WEIGHT_ONCE)
+EVERY_GEMM = "every GEMM"  # fp8_cost_model="off": the FP8 kernels where the default keeps bf16
+OPT_IN = (GRAPHS, INDUCTOR_TOKEN_ROW, FAST_ACCUMULATION, WEIGHT_ONCE, EVERY_GEMM)
+# The default row is what a user gets: the cost model (graphpass/fp8/cost.py) keeps in bf16 the
+# expert GEMMs an H100's roofline estimates faster there (weight-bound experts quantized every
+# step: the DeepSeek-V3 layer's, the 8,192-token experts'). Every other FP8 row measures FP8
+# kernels and lowers every GEMM (ALL_FP8), the "every GEMM" row the default's options so.
+ALL_FP8 = {"fp8_cost_model": "off"}
+ROWWISE_ALL = {"fp8": "rowwise", "kernels": "scaled_mm", **ALL_FP8}
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
     ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
+    (f"FP8 rowwise/scaled_mm, {EVERY_GEMM}", ROWWISE_ALL),
     # the same with the token-grouped quantizes left to Inductor's fusion of the recipe instead
     # of graphpass's Triton kernels (triton_grouped.py): what the kernels gain, in one run
     (f"FP8 rowwise/scaled_mm, {INDUCTOR_TOKEN_ROW}",
-     {"fp8": "rowwise", "kernels": "scaled_mm", INDUCTOR_TOKENS: True}),
+     {**ROWWISE_ALL, INDUCTOR_TOKENS: True}),
     # every GEMM with fast accumulation, as torchao's MoE training runs them (graphpass's
     # default is Transformer Engine's: fast for the forward GEMM, precise for dgrad and wgrad)
-    (f"FP8 rowwise/scaled_mm, {FAST_ACCUMULATION}", {"fp8": "rowwise", "kernels": "scaled_mm",
-                                                     "fp8_accumulate": "fast"}),
+    (f"FP8 rowwise/scaled_mm, {FAST_ACCUMULATION}",
+     {**ROWWISE_ALL, "fp8_accumulate": "fast"}),
     # each expert weight's two FP8 copies from one read in the forward, dgrad's kept for the
     # backward (fp8_weight_once, Transformer Engine's default): the backward's amax and cast
     # passes over the weights go, for 1 byte a weight element held through the step
-    (f"FP8 rowwise/scaled_mm, {WEIGHT_ONCE}", {"fp8": "rowwise", "kernels": "scaled_mm",
-                                              "fp8_weight_once": True}),
+    (f"FP8 rowwise/scaled_mm, {WEIGHT_ONCE}",
+     {**ROWWISE_ALL, "fp8_weight_once": True}),
     ("FP8 tensorwise e4m3/scaled_mm", {"fp8": "tensorwise", "fp8_format": "e4m3",
-                                       "kernels": "scaled_mm"}),
-    ("FP8 tensorwise/scaled_mm", {"fp8": "tensorwise", "kernels": "scaled_mm"}),
+                                       "kernels": "scaled_mm", **ALL_FP8}),
+    ("FP8 tensorwise/scaled_mm", {"fp8": "tensorwise", "kernels": "scaled_mm", **ALL_FP8}),
     # the peer: torchao's MoE FP8 training (rowwise, its own Triton quantize kernels) on the
     # experts' _grouped_mm weights, under torch.compile's default Inductor
     ("torchao MoE FP8 rowwise", {"torchao_moe": True}),
     # launch gaps: bf16 and FP8 rowwise again under Inductor's CUDA graphs, the FP8 row judged
     # against the bf16 one above it (a --configs filter runs them where it says "CUDA graphs")
     ("bf16, CUDA graphs", {"fp8": None, CUDAGRAPHS: True}),
-    ("FP8 rowwise/scaled_mm, CUDA graphs", {"fp8": "rowwise", "kernels": "scaled_mm",
-                                            CUDAGRAPHS: True}),
+    ("FP8 rowwise/scaled_mm, CUDA graphs", {**ROWWISE_ALL, CUDAGRAPHS: True}),
 ]
 # The configs whose expert GEMMs are one grouped kernel each: judged for a per-expert loop.
 ROWWISE, TORCHAO = "FP8 rowwise/scaled_mm", "torchao MoE FP8 rowwise"
-GROUPED = {"FP8 rowwise/scaled_mm": "FP8 rowwise", "FP8 tensorwise e4m3/scaled_mm":
-           "FP8 tensorwise e4m3"}
+ROWWISE_EVERY = f"{ROWWISE}, {EVERY_GEMM}"
+GROUPED = {ROWWISE_EVERY: "FP8 rowwise", "FP8 tensorwise e4m3/scaled_mm": "FP8 tensorwise e4m3"}
 
 
 @dataclass
@@ -206,7 +216,9 @@ def _run(case: Case, options: dict[str, object], device: torch.device, codegen: 
          ) -> tuple[Result, Profile | None]:
     result = Result(case.label, "")
     if micro > 1 and options.get("fp8") and not options.get("torchao_moe"):
-        options["fp8_weight_cache"] = True
+        # what the cost model's note tells a user who accumulates: the weight cache, and every
+        # GEMM lowered (the cost model counts a weight's quantize every micro-batch)
+        options.update(ACCUMULATING_OPTIONS)
     torch._dynamo.reset()
     model, inputs = importlib.import_module(case.module).build(
         case.size, layers=1, device=device, dtype=torch.bfloat16)
@@ -223,8 +235,10 @@ def _run(case: Case, options: dict[str, object], device: torch.device, codegen: 
             return result, None
     compiled = torch.compile(model, backend=backend)
     if micro > 1:
-        return _accumulating(result, model, inputs, compiled, steps, warmup, micro), None
+        return _fp8_share(_accumulating(result, model, inputs, compiled, steps, warmup, micro),
+                          backend), None
     measure(result, model, inputs, compiled, device, steps, warmup)
+    _fp8_share(result, backend)
     if not with_profile or result.ms is None:
         return result, None
     grad: list[torch.Tensor] = []
@@ -241,6 +255,17 @@ def _run(case: Case, options: dict[str, object], device: torch.device, codegen: 
     except Exception as e:  # a profiler failure leaves the timing standing
         result.note = f"profile failed: {reason(e)}"
         return result, None
+
+
+def _fp8_share(result: Result, backend: object) -> Result:
+    """``result`` with the FP8 share of the step's GEMM FLOPs in its note, where graphpass
+    compiled it with FP8 on: what the cost model kept in bf16 shows there (the report's notes
+    say which GEMMs and why)."""
+    report = backend.report() if isinstance(backend, Backend) else None
+    share = report.meta.get("fp8_coverage", {}).get("fp8_share") if report else None
+    if share is not None and backend.config.recipe is not None:
+        result.note = "; ".join(filter(None, [f"FP8 GEMM FLOPs {share:.0%}", result.note]))
+    return result
 
 
 def _accumulating(result: Result, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -307,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASE_KEYS), choices=CASE_KEYS)
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 4],
                         help="micro-batches per optimizer step (gradient accumulation); above 1, "
-                             "bf16 against FP8 rowwise with fp8_weight_cache, ms per micro-batch")
+                             "bf16 against FP8 rowwise with fp8_weight_cache and every GEMM in "
+                             "FP8, ms per micro-batch")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument("--tiles", type=Path, default=None,
                         help="the quantize kernels' tile configurations to run with: the JSON "
@@ -350,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                                    and not options.get(CUDAGRAPHS), micro=micro)
                 if micro > 1:
                     label = f"{label}, {micro} micro-batches" + (
-                        ", weight cache" if options.get("fp8") else "")
+                        f", {ACCUMULATING_LABEL}" if options.get("fp8") else "")
                 if label == "bf16" or label.startswith("bf16,"):
                     baseline = result.ms
                 speedup = baseline / result.ms if baseline and result.ms else None
@@ -376,11 +402,12 @@ def main(argv: list[str] | None = None) -> int:
                     print("\n".join(f"    host {ms:.3f} ms/step, {calls:g} calls: {name}"
                                      for ms, calls, name in prof.host), flush=True)
     lines += ["", "## Top kernels of the FP8 rowwise steps", ""]
-    for case in cases(args.dry_run, args.cases):
-        prof = profiles.get((case.label, ROWWISE))
+    for case, config in ((c, k) for c in cases(args.dry_run, args.cases)
+                         for k in (ROWWISE, ROWWISE_EVERY)):
+        prof = profiles.get((case.label, config))
         if prof is None:
             continue
-        lines += [f"{case.label}: {prof.kernel_ms:.2f} ms of "
+        lines += [f"{case.label}, {config}: {prof.kernel_ms:.2f} ms of "
                   f"{'ops' if args.dry_run else 'kernels'} per step, GEMM {prof.gemm_ms:.2f} ms",
                   "", "| ms/step | calls/step | kernel |", "|---|---|---|"]
         lines += [f"| {ms:.3f} | {calls:g} | `{name}` |" for ms, calls, name in prof.top]
@@ -394,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{got:.2f}x" if got else "not measured", args.dry_run))
         if case.label in TARGETS_ACCUMULATING and ACCUMULATING in args.micro_batches:
             got = speedups.get((case.label, f"{ROWWISE}, {ACCUMULATING} micro-batches, "
-                                            "weight cache"))
+                                            f"{ACCUMULATING_LABEL}"))
             target = TARGETS_ACCUMULATING[case.label]
             line = (f"- {case.label}: FP8 rowwise with {ACCUMULATING} micro-batches and the "
                     f"weight cache >= {target}x bf16 with {ACCUMULATING}")
@@ -414,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fp8 / 2**20:.1f} MiB against {bf16 / 2**20:.1f} MiB")
             lines.append(_judged(line, ok, detail, args.dry_run))
         for config, name in GROUPED.items():
+            if config == ROWWISE_EVERY and not picked(config, args.configs, OPT_IN):
+                config = ROWWISE  # the default row (its expert GEMMs may be bf16)
             if not picked(config, args.configs, OPT_IN):
                 continue
             prof = profiles.get((case.label, config))

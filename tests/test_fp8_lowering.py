@@ -804,6 +804,80 @@ def test_small_gemm_stays_bf16_with_a_note():
         "fp8_cost_model='off' has no effect without fp8='tensorwise' (or another recipe)"]
 
 
+def test_expert_roofline_by_hand():
+    """cost.linear_estimate for MoE experts: ``groups`` linears of M tokens each, summed; the
+    weight's quantize dropped under the weight cache. DeepSeek-V3's gate projection on one GPU:
+    256 experts of M=160 (capacity), N=2048, K=7168. Per expert: 2*160*2048*7168 = 4.70 GFLOP,
+    4.75 us at bf16's peak, under each GEMM's bytes, 2*(1.15M + 14.68M + 0.33M) = 32.3 MB:
+    9.64 us, 28.93 us for three, 7.407 ms for 256 experts. FP8: fprop (1.15M + 14.68M +
+    2*0.33M) = 16.5 MB: 4.92 us; dgrad (0.33M + 14.68M + 2*1.15M) = 17.3 MB: 5.16 us; wgrad
+    (0.33M + 1.15M + 2*14.68M) = 30.8 MB: 9.20 us; 19.29 us, 4.938 ms. Quantizes 6*16.15M =
+    96.9 MB: 28.93 us, 7.407 ms: FP8 12.35 ms, slower than bf16: the GEMMs read the weights, and
+    a quantize reads and writes them for 6 bytes an element against the 1 byte the FP8 GEMMs
+    save. Quantized once per optimizer step, 6*(1.15M + 0.33M) = 8.85 MB: 0.676 ms, FP8 5.61 ms:
+    faster. At 2,048 tokens per expert (32,768 over 16) the GEMMs are compute-bound: FP8 wins."""
+    from graphpass.fp8 import cost
+
+    gate = cost.linear_estimate(160, 2048, 7168, groups=256)
+    assert gate.bf16 * 1e3 == pytest.approx(7.407, abs=1e-3)
+    assert gate.fp8_gemms * 1e3 == pytest.approx(4.938, abs=1e-3)
+    assert gate.quantizes * 1e3 == pytest.approx(7.407, abs=1e-3)
+    assert gate.faster_in_bf16
+    assert gate.describe() == ("H100 roofline: FP8 GEMMs 4.94 ms + quantizes 7.41 ms > bf16 "
+                               "GEMMs 7.41 ms")
+    one = cost.linear_estimate(160, 2048, 7168)
+    assert gate.fp8 == pytest.approx(256 * one.fp8) and gate.bf16 == pytest.approx(256 * one.bf16)
+    cached = cost.linear_estimate(160, 2048, 7168, groups=256, weight_cached=True)
+    assert cached.quantizes * 1e3 == pytest.approx(0.676, abs=1e-3)
+    assert cached.fp8_time() == "FP8 GEMMs 4.94 ms + quantizes 676.1 us"
+    assert cached.fp8_gemms == gate.fp8_gemms and not cached.faster_in_bf16
+    assert not cost.linear_estimate(2048, 4096, 7168, groups=16).faster_in_bf16
+
+
+class _BmmExperts(nn.Module):
+    """SwiGLU experts as 3-D [experts, in, out] weights applied by ``bmm`` to an (experts,
+    capacity, hidden) buffer (examples/deepseek.py's form), on ``meta``."""
+
+    def __init__(self, experts, hidden, inter):
+        super().__init__()
+        kw = dict(device="meta", dtype=torch.bfloat16)
+        self.gate = nn.Parameter(torch.empty(experts, hidden, inter, **kw))
+        self.up = nn.Parameter(torch.empty(experts, hidden, inter, **kw))
+        self.down = nn.Parameter(torch.empty(experts, inter, hidden, **kw))
+
+    def forward(self, x):
+        h = nn.functional.silu(torch.bmm(x, self.gate)) * torch.bmm(x, self.up)
+        return torch.bmm(h, self.down)
+
+
+def test_weight_bound_experts_stay_bf16_with_a_note():
+    """DeepSeek-V3's 256 routed experts at one GPU's capacity (160 tokens each): the roofline
+    keeps all three expert GEMMs in bf16 (each weight quantized every step costs more than FP8's
+    GEMMs save), with a note per shape that names the estimate, the option that lowers them and
+    what the weight cache would make of them. ``fp8_weight_cache=True`` is a memory option: it
+    changes nothing here (memory decisions never change numerics). ``fp8_cost_model="off"``
+    lowers them; with 2,048 tokens per expert (compute-bound) the default lowers them too."""
+    def notes(capacity, **options):
+        model = _BmmExperts(256, 7168, 2048)
+        x = torch.empty(256, capacity, 7168, device="meta", dtype=torch.bfloat16,
+                        requires_grad=True)
+        report = graphpass.plan(model, x, config=graphpass.Config(fp8="rowwise", **options))
+        return sorted(_lowering(report.notes)), report.meta["fp8_coverage"]["fp8_share"]
+
+    def note(n, k, cached_quantizes):
+        return ("not lowered: <root>: faster in bf16 (H100 roofline: FP8 GEMMs 4.94 ms + "
+                f"quantizes 7.41 ms > bf16 GEMMs 7.41 ms, M=160 N={n} K={k} per expert, 256 "
+                "experts; fp8_cost_model='off' lowers it; with gradient accumulation and "
+                "fp8_weight_cache=True (the weight quantized once per optimizer step) FP8 is the "
+                f"faster: FP8 GEMMs 4.94 ms + quantizes {cached_quantizes})")
+
+    kept = ([note(2048, 7168, "676.1 us"), note(7168, 2048, "676.1 us")], 0.0)
+    assert notes(160) == kept
+    assert notes(160, fp8_weight_cache=True) == kept
+    assert notes(160, fp8_cost_model="off") == (["lowered: <root> (reference/rowwise)"], 1.0)
+    assert notes(2048) == (["lowered: <root> (reference/rowwise)"], 1.0)
+
+
 def test_blockwise_scale_option():
     """``fp8_pow2_scales`` for blockwise: None is the recipe's default (power-of-two scales, TE's
     Float8BlockScaling), ``False`` the plain fp8_max / amax scales (DeepSeek-V3's), carried by

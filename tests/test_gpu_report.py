@@ -80,8 +80,10 @@ def _load_experts():
 
 
 def test_experts_benchmark_dry_run(tmp_path):
-    """benchmarks/experts_fp8.py on the CPU: bf16, FP8 rowwise, tensorwise e4m3 and tensorwise
-    rows with numbers, a profile of the FP8 steps (one FP8 GEMM op per GEMM role: 6 for the two
+    """benchmarks/experts_fp8.py on the CPU: bf16, FP8 rowwise (the default, and every GEMM
+    whatever the cost model says), tensorwise e4m3 and tensorwise rows with numbers, each FP8
+    row's share of GEMM FLOPs in FP8 in its note (the tiny experts are not judged by the cost
+    model: all of them), a profile of the FP8 steps (one FP8 GEMM op per GEMM role: 6 for the two
     expert linears, every recipe alike; HYBRID tensorwise's per-expert _scaled_mm calls for
     dgrad and wgrad on top); four micro-batches per optimizer step with the weight cache, each
     of the two expert weights quantized once per step and looked up by the forward and backward
@@ -91,7 +93,7 @@ def test_experts_benchmark_dry_run(tmp_path):
     # every config but the fast-accumulation one (a recipe option the other tests cover)
     assert experts.main(["--dry-run", "--cases", "experts_8k", "--steps", "1",
                          "--configs", "FP8", "Inductor token quantize", "CUDA graphs",
-                         "weight once", "--out", str(out)]) == 0
+                         "weight once", "every GEMM", "--out", str(out)]) == 0
     text = out.read_text()
     assert "NOT GPU numbers" in text
     header = [c.strip() for c in re.search(r"^\| case .*$", text, re.M).group(0)
@@ -100,21 +102,24 @@ def test_experts_benchmark_dry_run(tmp_path):
         [c.strip() for c in m.group(0).strip("|").split("|")]
         for m in re.finditer(r"^\| experts.*$", text, re.M))}
     ms, launches, note = (header.index(h) for h in ("median ms", "GEMM launches/step", "note"))
-    for config in ("bf16", "FP8 rowwise/scaled_mm",
+    for config in ("bf16", "FP8 rowwise/scaled_mm", "FP8 rowwise/scaled_mm, every GEMM",
                    "FP8 rowwise/scaled_mm, Inductor token quantize",
                    "FP8 rowwise/scaled_mm, weight once", "FP8 tensorwise e4m3/scaled_mm",
                    "FP8 tensorwise/scaled_mm", "bf16, 4 micro-batches",
-                   "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache", "bf16, CUDA graphs",
+                   "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache, every GEMM",
+                   "bf16, CUDA graphs",
                    "FP8 rowwise/scaled_mm, CUDA graphs"):
         cells = rows[("experts, 8,192 tokens", config)]
         assert re.fullmatch(r"\d+\.\d\d", cells[ms]), cells
         assert "failed" not in cells[note], cells
+        assert cells[note].startswith("FP8 GEMM FLOPs 100%") == ("FP8" in config), cells
     case = "experts, 8,192 tokens"
     assert rows[(case, "FP8 rowwise/scaled_mm")][launches] == "6"  # no per-group _scaled_mm
     assert rows[(case, "FP8 tensorwise e4m3/scaled_mm")][launches] == "6"
     assert float(rows[(case, "FP8 tensorwise/scaled_mm")][launches]) > 6
-    assert rows[(case, "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache")][note] == (
-        "weight cache: 2 quantizes and 14 reuses per optimizer step")
+    accumulating = "FP8 rowwise/scaled_mm, 4 micro-batches, weight cache, every GEMM"
+    assert rows[(case, accumulating)][note] == (
+        "FP8 GEMM FLOPs 100%; weight cache: 2 quantizes and 14 reuses per optimizer step")
     targets = text.split("## Targets", 1)[1]
     assert "experts, 8,192 tokens: FP8 rowwise >= 1.0x bf16: not judged" in targets
     assert ("experts, 8,192 tokens: FP8 rowwise with 4 micro-batches and the weight cache >= "
@@ -177,6 +182,16 @@ def test_experts_comparison_rows_run_under_a_filter_only_when_it_names_them():
     assert dict(experts.CONFIGS)[once]["fp8_weight_once"] is True
     assert not experts.picked(once, ["rowwise"], experts.OPT_IN)
     assert experts.picked(once, ["rowwise", "weight once"], experts.OPT_IN)
+    # the default row is what a user gets; the row that lowers every GEMM, the cost model off,
+    # is opt-in, and so are the kernel comparisons, which lower every GEMM too
+    every = f"FP8 rowwise/scaled_mm, {experts.EVERY_GEMM}"
+    configs = dict(experts.CONFIGS)
+    assert "fp8_cost_model" not in configs["FP8 rowwise/scaled_mm"]
+    assert configs[every] == {**configs["FP8 rowwise/scaled_mm"], "fp8_cost_model": "off"}
+    assert not experts.picked(every, ["rowwise"], experts.OPT_IN)
+    assert experts.picked(every, ["rowwise", "every GEMM"], experts.OPT_IN)
+    assert all(options.get("fp8_cost_model") == "off" for label, options in experts.CONFIGS
+               if options.get("fp8") and label != "FP8 rowwise/scaled_mm")
 
 
 def test_experts_kernel_time_counts_each_kernel_once():

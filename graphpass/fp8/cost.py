@@ -17,6 +17,17 @@ dX = dY W, wgrad dW = dY^T X: each 2*M*N*K FLOPs):
   nothing (keeping it bf16 would also keep a bf16 X saved for its wgrad, and under sequence
   parallelism all-gather X in bf16).
 
+MoE experts (a 3-D weight, one GEMM per expert, grouped into one kernel) are ``groups`` such
+linears of M tokens each (the capacity of a ``bmm`` expert, the average of token groups), summed.
+Experts with few tokens each are bound by reading their weights (DeepSeek-V3's 256 experts of
+about 160 tokens each on one GPU): FP8 GEMMs read half the weight bytes, but a quantize every
+step reads and writes the weight's 6 bytes an element, more than the GEMMs save.
+``weight_cached`` estimates the weights quantized once per optimizer step
+(``fp8_weight_cache=True`` with gradient accumulation), the weight's quantize not counted: its
+share per micro-batch goes to nothing as micro-batches accumulate. The lowering does not decide
+by it (the cache is a memory option, which never changes numerics); its note says where the
+cache would make FP8 the faster.
+
 GEMMs whose bf16 estimate is under ``MIN_JUDGED_S`` are not judged: at that size kernel launches
 (a few microseconds each) dominate, which a roofline does not model, and the FP8 GEMM the user
 asked for is kept. The numbers are an H100 SXM's dense peaks (NVIDIA's datasheet: 989 TFLOP/s
@@ -51,20 +62,30 @@ class Estimate:
     def faster_in_bf16(self) -> bool:
         return self.bf16 >= MIN_JUDGED_S and self.fp8 > self.bf16
 
+    def fp8_time(self) -> str:
+        """The FP8 side of the estimate, in words."""
+        return f"FP8 GEMMs {_time(self.fp8_gemms)} + quantizes {_time(self.quantizes)}"
+
     def describe(self) -> str:
-        us = 1e6
-        return (f"{self.gpu.name} roofline: FP8 GEMMs {self.fp8_gemms * us:.1f} us + quantizes "
-                f"{self.quantizes * us:.1f} us > bf16 GEMMs {self.bf16 * us:.1f} us")
+        return f"{self.gpu.name} roofline: {self.fp8_time()} > bf16 GEMMs {_time(self.bf16)}"
 
 
-def linear_estimate(m: int, n: int, k: int, *, input_sharers: int = 1,
-                    input_quantized: bool = False, gpu: Device = H100) -> Estimate:
-    """The roofline estimate of a linear's forward, dgrad and wgrad GEMMs (module docstring)."""
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+def linear_estimate(m: float, n: int, k: int, *, groups: int = 1, input_sharers: int = 1,
+                    input_quantized: bool = False, weight_cached: bool = False,
+                    gpu: Device = H100) -> Estimate:
+    """The roofline estimate of a linear's forward, dgrad and wgrad GEMMs (module docstring):
+    ``groups`` linears of ``m`` tokens each for MoE experts; ``weight_cached``: the weight
+    quantized once per optimizer step, its quantize not counted."""
     flops = 2 * m * n * k
     # (operand a, operand b, output) elements of fprop, dgrad and wgrad
     gemms = ((m * k, n * k, m * n), (m * n, n * k, m * k), (m * n, m * k, n * k))
     bf16 = sum(max(flops / gpu.bf16_flops, 2 * (a + b + o) / gpu.bandwidth) for a, b, o in gemms)
     fp8 = sum(max(flops / gpu.fp8_flops, (a + b + 2 * o) / gpu.bandwidth) for a, b, o in gemms)
     x = 0 if input_quantized else m * k / max(input_sharers, 1)
-    quantizes = 6 * (x + n * k + m * n) / gpu.bandwidth
-    return Estimate(bf16, fp8, quantizes, gpu)
+    w = 0 if weight_cached else n * k
+    quantizes = 6 * (x + w + m * n) / gpu.bandwidth
+    return Estimate(groups * bf16, groups * fp8, groups * quantizes, gpu)

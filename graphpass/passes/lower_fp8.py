@@ -62,7 +62,7 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
     asked = [p for p in config.fp8_exclude if p in HEAD_PATTERNS]
     kept_heads = {f: (f"the output head ({how}); fp8_exclude's {' and '.join(map(repr, asked))} "
                       "keep it in high precision") for f, how in heads.items() if asked}
-    slower = _slower_in_fp8(plain, config, kept_heads)
+    slower = _slower_in_fp8(linears, config, kept_heads)
     for lin in linears:
         head = heads.get(lin.fprop)
         reason = (why_not_lowered(lin, config) or kept_heads.get(lin.fprop)
@@ -191,11 +191,14 @@ def _move_before(reused: tuple[fx.Node, fx.Node], x: fx.Node, before: fx.Node) -
 
 def _slower_in_fp8(linears: list[Linear], config: Config,
                    kept: dict[fx.Node, str] | None = None) -> dict[fx.Node, str]:
-    """The plain linears (not grouped experts) that the roofline of ``config.fp8_cost_model``
+    """The linears, MoE experts included, that the roofline of ``config.fp8_cost_model``
     estimates faster in bf16, by forward node, with the reason (output heads ``kept`` in high
-    precision are not estimated). A linear's input quantize is
-    shared by the lowered linears that read the same tensor (q, k and v), and costs nothing more
-    where one of them is lowered anyway."""
+    precision are not estimated). A linear's input quantize is shared by the lowered linears
+    that read the same tensor (q, k and v; an expert's gate and up projections), and costs
+    nothing more where one of them is lowered anyway. The estimate reads no memory option:
+    ``fp8_weight_cache`` is a memory decision, which never changes numerics, so it never
+    changes which linears are lowered; where the cache would make FP8 the faster (weights
+    quantized once per optimizer step), the note says so."""
     if config.fp8_cost_model == "off":
         return {}
     eligible = [lin for lin in linears
@@ -203,27 +206,49 @@ def _slower_in_fp8(linears: list[Linear], config: Config,
     sharers: dict[Any, int] = {}
     for lin in eligible:
         sharers[_canonical(lin.x)] = sharers.get(_canonical(lin.x), 0) + 1
-    shapes = {}
-    for lin in eligible:
-        x, w = lin.x.meta["val"], lin.w.meta["val"]
-        k = x.shape[-1]
-        n = w.shape[-1] if lin.stored_kn else w.shape[-2]
-        if all(isinstance(d, int) for d in (*x.shape, n)):  # else nothing to estimate with
-            shapes[lin.fprop] = (x.numel() // k if k else 0, n, k)
-    first = {f: cost.linear_estimate(*mnk, input_sharers=sharers[_canonical(lin.x)])
-             for lin in eligible if (f := lin.fprop) in shapes and (mnk := shapes[f])}
+    shapes = {lin.fprop: mnkg for lin in eligible if (mnkg := _gemm_shape(lin)) is not None}
+
+    def estimate(lin: Linear, **kw: Any) -> cost.Estimate:
+        m, n, k, groups = shapes[lin.fprop]
+        return cost.linear_estimate(m, n, k, groups=groups, **kw)
+
+    first = {lin.fprop: estimate(lin, input_sharers=sharers[_canonical(lin.x)])
+             for lin in eligible if lin.fprop in shapes}
     lowered_inputs = {_canonical(lin.x) for lin in eligible
                       if lin.fprop not in first or not first[lin.fprop].faster_in_bf16}
     slower = {}
     for lin in eligible:
         if lin.fprop not in first or not first[lin.fprop].faster_in_bf16:
             continue
-        m, n, k = shapes[lin.fprop]
-        estimate = cost.linear_estimate(m, n, k, input_quantized=_canonical(lin.x) in lowered_inputs)
-        if estimate.faster_in_bf16:
-            slower[lin.fprop] = (f"faster in bf16 ({estimate.describe()}, M={m} N={n} K={k}; "
-                                 "fp8_cost_model='off' lowers it)")
+        quantized = _canonical(lin.x) in lowered_inputs
+        bf16 = estimate(lin, input_quantized=quantized)
+        if not bf16.faster_in_bf16:
+            continue
+        m, n, k, groups = shapes[lin.fprop]
+        shape = f"M={m if isinstance(m, int) else round(m, 1)} N={n} K={k}" + (
+            f" per expert, {groups} experts" if groups > 1 else "")
+        lowers = "fp8_cost_model='off' lowers it"
+        cached = estimate(lin, input_quantized=quantized, weight_cached=True)
+        if not cached.faster_in_bf16:
+            lowers += ("; with gradient accumulation and fp8_weight_cache=True (the weight "
+                       "quantized once per optimizer step) FP8 is the faster: "
+                       f"{cached.fp8_time()}")
+        slower[lin.fprop] = f"faster in bf16 ({bf16.describe()}, {shape}; {lowers})"
     return slower
+
+
+def _gemm_shape(lin: Linear) -> tuple[float, int, int, int] | None:
+    """A linear's GEMM shape for the cost model: (M tokens per group, N, K, groups); a plain
+    linear is one group of all its rows, a ``bmm`` expert's M its capacity, token groups'
+    (offsets) M the tokens over the experts (their average). None where a size is dynamic."""
+    x, w = lin.x.meta["val"], lin.w.meta["val"]
+    k = x.shape[-1]
+    n = w.shape[-1] if lin.stored_kn else w.shape[-2]
+    groups = w.shape[0] if w.dim() == 3 else 1
+    if not all(isinstance(d, int) for d in (*x.shape, n, groups)) or not k or not groups:
+        return None
+    rows = x.numel() // k
+    return (rows // groups if rows % groups == 0 else rows / groups), n, k, groups
 
 
 def _grouped_kernels(recipe: recipes.Recipe) -> str:
