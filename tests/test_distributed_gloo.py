@@ -97,6 +97,7 @@ def tp(tmp_path_factory):
     return _shared_run("tp", tmp_path_factory)
 
 
+@pytest.mark.one_version  # the harness's timeout, 30 s of waiting
 def test_a_stuck_collective_fails_at_the_timeout_with_each_process_output(tmp_path):
     """Rank 1 never joins: rank 0 waits in the rendezvous until the harness kills both. The limit
     leaves room for importing torch on a loaded CI machine (10 s did not, once: a CI run on 2.11

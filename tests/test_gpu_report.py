@@ -12,6 +12,9 @@ def _load():
     return load("gpu_report")
 
 
+# the benchmark's plumbing on the CPU (about two minutes); the passes it runs are tested on every
+# torch version by their own tests
+@pytest.mark.one_version
 def test_dry_run_writes_every_section(tmp_path):
     gpu_report = _load()
     out = tmp_path / "report.md"

@@ -103,7 +103,9 @@ def _grads(model, cfg):
 
 
 # `make test` and CI run the explicit examples only (about 20 s of CPU each);
-# GRAPHPASS_PROPERTY_EXAMPLES=20 (`make hunt HUNT_TESTS=...`) draws new ones.
+# GRAPHPASS_PROPERTY_EXAMPLES=20 (`make hunt HUNT_TESTS=...`) draws new ones. Two minutes: CI runs
+# it on one torch version; the selections' tests above run on every version.
+@pytest.mark.one_version
 @settings(max_examples=int(os.environ.get("GRAPHPASS_PROPERTY_EXAMPLES", "1")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow],
           phases=list(Phase) if os.environ.get("GRAPHPASS_PROPERTY_EXAMPLES") else [Phase.explicit])
