@@ -78,6 +78,12 @@ class What(enum.Enum):
     OUTSIDE_GRAPH = "outside the graph: {module}: {why}"
 
 
+class OpaqueOpWarning(UserWarning):
+    """A graphpass FP8 op that Inductor's code calls as the op, its dispatch and checks on the
+    host every step, where graphpass inlines its code otherwise: the code did not trace (a GEMM
+    per token group reads the group sizes on the host; a Triton launch torch cannot analyse)."""
+
+
 @dataclass(frozen=True)
 class Decision:
     """One decision of a pass (or one fact the report observed), in the user's words."""

@@ -1097,3 +1097,28 @@ def test_one_device_description_times_fp8_and_the_memory_budget():
     assert h100.compute(flops, 0, torch.float32) * 1e3 == pytest.approx(2.051, abs=0.001)
     assert h100.compute(0, 3.35e9) == pytest.approx(1e-3)  # 3.35 GB of HBM traffic: bytes-bound
     assert h100.copy(50e9) == pytest.approx(1.0)
+
+
+def test_an_op_whose_code_does_not_trace_stays_with_a_warning():
+    """Where the inlining cannot trace an FP8 op's code (a GEMM per token group reads the group
+    sizes on the host), Inductor's code calls the op, and an ``OpaqueOpWarning`` names the node
+    and the error's first line. (On a CUDA build, tests/test_triton_inductor.py compiles such
+    graphs for sm_90.)"""
+    from types import SimpleNamespace
+
+    from graphpass.fp8 import inductor
+
+    class Match:
+        def replace_by_example(self, fn, args, trace_fn=None):
+            raise RuntimeError("Could not guard on data-dependent expression u0 < 16\nmore")
+
+        def output_node(self):
+            return SimpleNamespace(name="fp8_gemm_default_3",
+                                   target="graphpass.fp8_gemm.default")
+
+    with pytest.warns(graphpass.OpaqueOpWarning) as caught:
+        inductor._replace_or_keep(Match(), None, [], None)
+    assert [str(w.message) for w in caught] == [
+        "graphpass: fp8_gemm_default_3 (graphpass.fp8_gemm.default) stays graphpass's op in "
+        "Inductor's code, its dispatch and checks on the host every step: its code did not "
+        "trace (RuntimeError: Could not guard on data-dependent expression u0 < 16)"]

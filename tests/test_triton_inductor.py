@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -223,7 +224,16 @@ def test_a_gemm_whose_code_does_not_trace_stays_the_op(why):
             return [_GEMM(a, sa, b, sb, "tensorwise", "input,weight", torch.bfloat16, None,
                           "reference")]
         shapes = [((256, 128), E4), ((), torch.float32), ((64, 128), E4), ((), torch.float32)]
-    assert set(_extern_calls(_call(_compiled_source(fn, shapes)))) == {("", "fp8_gemm")}
+    # the GEMM per group is graphpass's op in the compiled code: a warning names it; another
+    # provider is the user's choice, said in the report, and no warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert set(_extern_calls(_call(_compiled_source(fn, shapes)))) == {("", "fp8_gemm")}
+    opaque = [str(w.message) for w in caught if w.category is graphpass.OpaqueOpWarning]
+    assert len(opaque) == (why == "a GEMM per group"), opaque
+    assert all(re.fullmatch(r"graphpass: fp8_gemm\w* \(graphpass\.fp8_gemm\.default\) stays "
+                            r"graphpass's op in Inductor's code, its dispatch and checks on the "
+                            r"host every step: its code did not trace \(.+\)", m) for m in opaque)
 
 
 def test_a_launch_torch_cannot_analyse_leaves_the_op():
@@ -236,7 +246,9 @@ def test_a_launch_torch_cannot_analyse_leaves_the_op():
         raise RuntimeError("no GPU target")
 
     with mock.patch.object(type(driver), "active", property(lambda self: mock.MagicMock(
-            get_current_target=no_target))):
+            get_current_target=no_target))), \
+            pytest.warns(graphpass.OpaqueOpWarning, match=r"quantize\w* \(graphpass\.quantize"
+                         r"\.default\) stays graphpass's op in Inductor's code"):
         call = _call(_compiled_source(_weights("both"), WEIGHTS))
     assert "graphpass.quantize" in call, call
 

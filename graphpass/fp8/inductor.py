@@ -43,13 +43,14 @@ import contextvars
 import functools
 import hashlib
 import logging
+import warnings
 from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..decisions import Decision, What
+from ..decisions import Decision, OpaqueOpWarning, What
 from ..graph.nodes import viewed
 from . import ops, recipes, replacements, triton_quantize
 from .gemm_order import order_gemm_operands, ordered_gemms
@@ -172,11 +173,18 @@ def _inline_gemm(match: Any, **kwargs: Any) -> None:
 
 def _replace_or_keep(match: Any, fn: Any, args: list, trace_fn: Any) -> None:
     """``match.replace_by_example(fn, args, trace_fn)``, or the op left where ``trace_fn``
-    cannot trace ``fn`` (nothing is replaced before the trace succeeds)."""
+    cannot trace ``fn`` (nothing is replaced before the trace succeeds), with an
+    ``OpaqueOpWarning`` naming the node and why."""
     try:
         match.replace_by_example(fn, args, trace_fn=trace_fn)
-    except Exception as e:  # noqa: BLE001  (the op runs as it did; said in the debug log)
-        _log.debug("%s stays the op: %s", match.output_node(), e)
+    except Exception as e:  # noqa: BLE001  (the op runs as it did, and the warning says so)
+        node = match.output_node()
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        warnings.warn(OpaqueOpWarning(
+            f"graphpass: {node.name} ({node.target}) stays graphpass's op in Inductor's code, "
+            f"its dispatch and checks on the host every step: its code did not trace "
+            f"({type(e).__name__}{': ' + why if why else ''})"), stacklevel=2)
+        _log.debug("%s stays the op: %s", node, e)
 
 
 def _traced_launches(fn: Any, args: Any) -> fx.GraphModule:
