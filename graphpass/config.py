@@ -223,10 +223,11 @@ class FP8(_Group):
     cost_model: FP8CostModel = "h100"
     """``"h100"``: a linear whose FP8 GEMMs plus quantizes an H100's roofline estimates slower than
     its bf16 GEMMs (a small N or K, such as grouped-query k/v projections; MoE experts with few
-    tokens each, whose GEMMs read their weights, where ``weight_cache`` does not quantize them
-    once per optimizer step) stays in high precision, with a ``not lowered: ...: faster in bf16
-    (...)`` note (``graphpass/fp8/cost.py``); the H100 is the target on every device, a CPU
-    included. ``"off"`` lowers every eligible linear."""
+    tokens each, whose GEMMs read their weights) stays in high precision, with a ``not lowered:
+    ...: faster in bf16 (...)`` note (``graphpass/fp8/cost.py``) that also says where
+    quantizing the weight once per optimizer step (``weight_cache`` with gradient accumulation)
+    would make FP8 the faster; the H100 is the target on every device, a CPU included.
+    ``"off"`` lowers every eligible linear."""
 
     min_gemm_flops: int = 0
     """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
