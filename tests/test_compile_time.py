@@ -28,6 +28,7 @@ def _load():
     return module
 
 
+@pytest.mark.one_version  # a timing of this machine; its counts are graphpass's own
 def test_graphpass_bf16_compiles_as_inductor_does():
     compile_time = _load()
     runs = {run["config"]: run for run in compile_time.quick()}

@@ -83,6 +83,7 @@ def test_mlp(graphpass_snapshot):
 """
 
 
+@pytest.mark.one_version  # the plugin's files in a pytester session; the snapshot tests run everywhere
 def test_snapshot_round_trip(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     pytester.makepyfile(INNER_TEST)
     snapshot = pytester.path / "__graphpass_snapshots__" / "test_snapshot_round_trip" / "test_mlp.txt"
