@@ -28,6 +28,7 @@ class What(enum.Enum):
     # the FP8 lowering
     LOWERED = "lowered: {module} ({why})"
     NOT_LOWERED = "not lowered: {module}: {why}"
+    COST_NOT_JUDGED = "fp8_cost_model: not judged: {module}: {why}"
     KERNELS = "kernels: {why}"
     GROUPED_GEMMS = "grouped gemms: {module}: {why}"
     WEIGHT_QUANTIZE = "weight quantize: {module}: {why}"

@@ -804,6 +804,22 @@ def test_small_gemm_stays_bf16_with_a_note():
         "fp8_cost_model='off' has no effect without fp8='tensorwise' (or another recipe)"]
 
 
+def test_a_dynamic_size_is_not_judged_and_says_so():
+    """Compiled with dynamic shapes, the tokens M of the lone (4096 -> 512) linear above are a
+    symbol: the roofline has no size to judge it by (at M=4096 it keeps it bf16), so it is
+    lowered as asked, with a note that says why it was not judged."""
+    import re
+
+    lin = nn.Linear(4096, 512, bias=False, dtype=torch.bfloat16)
+    backend = graphpass.backend(codegen="eager", fp8="tensorwise")
+    compiled = torch.compile(lin, backend=backend, dynamic=True)
+    compiled(torch.randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+    notes = [n for n in backend.report().notes if "lowered" in n or "fp8_cost_model" in n]
+    assert len(notes) == 2 and notes[1] == "lowered: <root> (reference/tensorwise)", notes
+    assert re.fullmatch(r"fp8_cost_model: not judged: <root>: M=s\d+ is dynamic: the roofline "
+                        r"has no size to judge it by; lowered", notes[0]), notes
+
+
 def test_expert_roofline_by_hand():
     """cost.linear_estimate for MoE experts: ``groups`` linears of M tokens each, summed; the
     weight's quantize dropped under the weight cache. DeepSeek-V3's gate projection on one GPU:

@@ -62,7 +62,7 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
     asked = [p for p in config.fp8_exclude if p in HEAD_PATTERNS]
     kept_heads = {f: (f"the output head ({how}); fp8_exclude's {' and '.join(map(repr, asked))} "
                       "keep it in high precision") for f, how in heads.items() if asked}
-    slower = _slower_in_fp8(linears, config, kept_heads)
+    slower = _slower_in_fp8(linears, config, plan, kept_heads)
     for lin in linears:
         head = heads.get(lin.fprop)
         reason = (why_not_lowered(lin, config) or kept_heads.get(lin.fprop)
@@ -189,7 +189,7 @@ def _move_before(reused: tuple[fx.Node, fx.Node], x: fx.Node, before: fx.Node) -
         before.prepend(node)
 
 
-def _slower_in_fp8(linears: list[Linear], config: Config,
+def _slower_in_fp8(linears: list[Linear], config: Config, plan: Plan,
                    kept: dict[fx.Node, str] | None = None) -> dict[fx.Node, str]:
     """The linears, MoE experts included, that the roofline of ``config.fp8_cost_model``
     estimates faster in bf16, by forward node, with the reason (output heads ``kept`` in high
@@ -207,6 +207,11 @@ def _slower_in_fp8(linears: list[Linear], config: Config,
     for lin in eligible:
         sharers[_canonical(lin.x)] = sharers.get(_canonical(lin.x), 0) + 1
     shapes = {lin.fprop: mnkg for lin in eligible if (mnkg := _gemm_shape(lin)) is not None}
+    for lin in eligible:  # a dynamic size: lowered as asked, and said
+        if lin.fprop not in shapes and (dynamic := _dynamic_sizes(lin)):
+            plan.decide(Decision(What.COST_NOT_JUDGED, "fp8", (
+                f"{dynamic}: the roofline has no size to judge it by; lowered"), lin.module),
+                once=True)
 
     def estimate(lin: Linear, **kw: Any) -> cost.Estimate:
         m, n, k, groups = shapes[lin.fprop]
@@ -235,6 +240,16 @@ def _slower_in_fp8(linears: list[Linear], config: Config,
                        f"{cached.fp8_time()}")
         slower[lin.fprop] = f"faster in bf16 ({bf16.describe()}, {shape}; {lowers})"
     return slower
+
+
+def _dynamic_sizes(lin: Linear) -> str:
+    """The sizes of a linear's GEMMs that are symbolic, in words (``M=s0 is dynamic``), or ""."""
+    x, w = lin.x.meta["val"], lin.w.meta["val"]
+    sizes = {"M": x.numel() // x.shape[-1], "K": x.shape[-1],
+             "N": w.shape[-1] if lin.stored_kn else w.shape[-2]}
+    dynamic = [f"{d}={v}" for d, v in sizes.items() if not isinstance(v, int)]
+    return f"{' and '.join(dynamic)} {'is' if len(dynamic) == 1 else 'are'} dynamic" \
+        if dynamic else ""
 
 
 def _gemm_shape(lin: Linear) -> tuple[float, int, int, int] | None:
