@@ -83,7 +83,8 @@ def test_mlp(graphpass_snapshot):
 """
 
 
-@pytest.mark.one_version  # the plugin's files in a pytester session; the snapshot tests run everywhere
+# the plugin's files in a pytester session, on one torch version; the snapshot tests run on all
+@pytest.mark.one_version
 def test_snapshot_round_trip(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     pytester.makepyfile(INNER_TEST)
     snapshot = pytester.path / "__graphpass_snapshots__" / "test_snapshot_round_trip" / "test_mlp.txt"
