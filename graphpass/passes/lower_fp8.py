@@ -230,8 +230,9 @@ def _slower_in_fp8(linears: list[Linear], config: Config, plan: Plan,
         if not bf16.faster_in_bf16:
             continue
         m, n, k, groups = shapes[lin.fprop]
+        average = " (M: the token groups' average)" if lin.offs is not None else ""
         shape = f"M={m if isinstance(m, int) else round(m, 1)} N={n} K={k}" + (
-            f" per expert, {groups} experts" if groups > 1 else "")
+            f" per expert{average}, {groups} experts" if groups > 1 else "")
         lowers = "fp8_cost_model='off' lowers it"
         cached = estimate(lin, input_quantized=quantized, weight_cached=True)
         if not cached.faster_in_bf16:
