@@ -243,12 +243,20 @@ def _slower_in_fp8(linears: list[Linear], config: Config, plan: Plan,
     return slower
 
 
+def _gemm_sizes(lin: Linear) -> tuple[Any, Any, Any, Any]:
+    """A linear's GEMM sizes, any of them a symbol under dynamic shapes: (M, the rows over all
+    groups; N; K; groups, 1 for a plain linear)."""
+    x, w = lin.x.meta["val"], lin.w.meta["val"]
+    k = x.shape[-1]
+    rows = x.numel() // k if not isinstance(k, int) or k else 0
+    n = w.shape[-1] if lin.stored_kn else w.shape[-2]
+    return rows, n, k, w.shape[0] if w.dim() == 3 else 1
+
+
 def _dynamic_sizes(lin: Linear) -> str:
     """The sizes of a linear's GEMMs that are symbolic, in words (``M=s0 is dynamic``), or ""."""
-    x, w = lin.x.meta["val"], lin.w.meta["val"]
-    sizes = {"M": x.numel() // x.shape[-1], "K": x.shape[-1],
-             "N": w.shape[-1] if lin.stored_kn else w.shape[-2]}
-    dynamic = [f"{d}={v}" for d, v in sizes.items() if not isinstance(v, int)]
+    rows, n, k, _ = _gemm_sizes(lin)
+    dynamic = [f"{d}={v}" for d, v in (("M", rows), ("K", k), ("N", n)) if not isinstance(v, int)]
     return f"{' and '.join(dynamic)} {'is' if len(dynamic) == 1 else 'are'} dynamic" \
         if dynamic else ""
 
@@ -257,13 +265,9 @@ def _gemm_shape(lin: Linear) -> tuple[float, int, int, int] | None:
     """A linear's GEMM shape for the cost model: (M tokens per group, N, K, groups); a plain
     linear is one group of all its rows, a ``bmm`` expert's M its capacity, token groups'
     (offsets) M the tokens over the experts (their average). None where a size is dynamic."""
-    x, w = lin.x.meta["val"], lin.w.meta["val"]
-    k = x.shape[-1]
-    n = w.shape[-1] if lin.stored_kn else w.shape[-2]
-    groups = w.shape[0] if w.dim() == 3 else 1
-    if not all(isinstance(d, int) for d in (*x.shape, n, groups)) or not k or not groups:
+    rows, n, k, groups = _gemm_sizes(lin)
+    if not all(isinstance(d, int) for d in (rows, n, k, groups)) or not k or not groups:
         return None
-    rows = x.numel() // k
     return (rows // groups if rows % groups == 0 else rows / groups), n, k, groups
 
 
