@@ -34,6 +34,8 @@ class Result:
     inputs), minus the output the caller holds. What ``graphpass.plan`` predicts."""
     step_peak_bytes: int | None = None
     """Peak of one step minus what weights, inputs and the step's gradients hold."""
+    fp8_share: float | None = None
+    """The FP8 share of the step's GEMM FLOPs, where graphpass compiled it with FP8 on."""
     note: str = ""
 
 

@@ -6,8 +6,8 @@ by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the ptxas Triton's 
 asked, and ptxas says what the machine code takes (:func:`resources`: registers, spill stores,
 shared memory). From those, how many programs of a kernel an SM holds at once
 (:func:`programs_per_sm`) and how many bytes of the input its programs have in flight
-(:func:`in_flight`): what a memory-bound loop's bandwidth follows. Used by ``tests/test_triton_compile.py`` and ``quantize_kernels.py
---resources``.
+(:func:`in_flight`): what a memory-bound loop's bandwidth follows. Used by
+``tests/test_triton_compile.py`` and ``quantize_kernels.py --resources``.
 """
 
 from __future__ import annotations

@@ -99,10 +99,11 @@ OPT_IN = (GRAPHS, INDUCTOR_TOKEN_ROW, FAST_ACCUMULATION, WEIGHT_ONCE, EVERY_GEMM
 # step: the DeepSeek-V3 layer's, the 8,192-token experts'). Every other FP8 row measures FP8
 # kernels and lowers every GEMM (ALL_FP8), the "every GEMM" row the default's options so.
 ALL_FP8 = {"fp8_cost_model": "off"}
-ROWWISE_ALL = {"fp8": "rowwise", "kernels": "scaled_mm", **ALL_FP8}
+ROWWISE_OPTIONS = {"fp8": "rowwise", "kernels": "scaled_mm"}
+ROWWISE_ALL = {**ROWWISE_OPTIONS, **ALL_FP8}
 CONFIGS: list[tuple[str, dict[str, object]]] = [
     ("bf16", {"fp8": None}),
-    ("FP8 rowwise/scaled_mm", {"fp8": "rowwise", "kernels": "scaled_mm"}),
+    ("FP8 rowwise/scaled_mm", ROWWISE_OPTIONS),
     (f"FP8 rowwise/scaled_mm, {EVERY_GEMM}", ROWWISE_ALL),
     # the same with the token-grouped quantizes left to Inductor's fusion of the recipe instead
     # of graphpass's Triton kernels (triton_grouped.py): what the kernels gain, in one run
@@ -269,7 +270,7 @@ def _fp8_share(result: Result, backend: object) -> Result:
     share = report.meta.get("fp8_coverage", {}).get("fp8_share") if report else None
     if share is not None and backend.config.recipe is not None:
         result.note = "; ".join(filter(None, [f"FP8 GEMM FLOPs {share:.0%}", result.note]))
-        result.fp8_share = share  # type: ignore[attr-defined]  (read by main's target lines)
+        result.fp8_share = share
     return result
 
 
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                     profiles[(case.label, label)] = prof
                 if result.step_peak_bytes:
                     peaks[(case.label, label)] = result.step_peak_bytes
-                if getattr(result, "fp8_share", None) is not None:
+                if result.fp8_share is not None:
                     shares[(case.label, label)] = result.fp8_share
                 cells = [case.label, label, f"{result.ms:.2f}" if result.ms else "-",
                          f"{speedup:.2f}x" if speedup else "-",
