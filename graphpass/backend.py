@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from . import _compat
 from .config import Config
+from .decisions import Decision, What
 from .graph.nodes import Root, Step, frame_arguments, frame_roots, parse_source, root_steps
 from .graph.foreign import frame_library_modules, library_modules
 from .pipeline import run
@@ -31,6 +32,8 @@ class GraphInputs(NamedTuple):
     """The user's names of the inputs (dynamo's sources), for the report's parameter rows."""
     fsdp: bool = False
     """Whether any is a weight FSDP2 manages (all-gathered before the graph runs)."""
+    child_frames: tuple[Decision, ...] = ()
+    """Where the frame is a child module's forward: its note (``_child_frame``)."""
 
 
 # Set around a compile, read by the partitioner that compile calls.
@@ -68,6 +71,9 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
                                        fsdp=_graph_inputs.get().fsdp)
         self.selections.add(selected)
         if report is not None:
+            for decision in _graph_inputs.get().child_frames:
+                report.decisions.append(decision)
+                report.notes.append(str(decision))
             if self.options_from:
                 report.meta["options_from"] = self.options_from
             compile_id, frame = _compat.compile_id(), _compat.compiled_frame()
@@ -179,9 +185,10 @@ def input_sources(gm: fx.GraphModule) -> Iterator[None]:
     """Around the compile of dynamo's graph ``gm``: what its inputs are, for the partitioner."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     sources = tuple(_compat.placeholder_source(n) for n in placeholders)
+    roots, models, child_frames = _module_roots(gm, sources)
     token = _graph_inputs.set(GraphInputs(
-        sources=sources, fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders)))
-    roots, models = _module_roots(gm, sources)
+        sources=sources, fsdp=any(_compat.fsdp_managed_input(n) for n in placeholders),
+        child_frames=child_frames))
     roots_token = frame_roots.set(roots)
     arguments_token = frame_arguments.set(_positional_arguments(models))
     libraries_token = frame_library_modules.set(library_modules(models))
@@ -201,7 +208,7 @@ def module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> dict
     lead to (``args[0]`` behind a decorator, ``func`` of a partial, but a child named ``func`` of
     the compiled module itself), then through torch's data-parallel wrappers (``wrapper_child``).
     Outside a dynamo compile, the names alone decide (``graph.nodes.normalize_path``)."""
-    return _module_roots(gm, sources)[0]
+    return _module_roots(gm, sources).roots
 
 
 # The models of the frames compiled so far (weakly): a graph break's resume frame holds modules of
@@ -210,19 +217,30 @@ _models_seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _STACK_LOCAL = re.compile(r"___stack\d+$")
 
 
-def _module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> tuple[
-        dict[tuple[str, tuple[Step, ...]], Root], list[torch.nn.Module]]:
+class FrameRoots(NamedTuple):
+    roots: dict[tuple[str, tuple[Step, ...]], Root]
+    models: list[torch.nn.Module]
+    """The models the roots lead to."""
+    child_frames: tuple[Decision, ...] = ()
+    """A note for each root that is a child of a model an earlier frame compiled."""
+
+
+def _module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> FrameRoots:
     """:func:`module_roots`, and the models its roots lead to. A module a resume frame holds on
     dynamo's stack (the callee of an expression the graph broke in: ``self.fc2(f(x))`` breaking
-    at ``f``) is a root too, at its path in the model of an earlier frame that holds it."""
+    at ``f``) is a root too, at its path in the model of an earlier frame that holds it, and so
+    is the module of a frame that is a child's forward (a graph break inside ``self.child(x)``:
+    dynamo compiles the child's forward as a frame of its own, whose ``self`` is the child;
+    other modules of its class may run that compiled code, which a note says)."""
     scopes = _compat.frame_scopes()
     if scopes is None:
-        return {}, []
+        return FrameRoots({}, [])
     names = {*filter(None, sources)}
     for node in gm.graph.nodes:
         names.update(path for path, _ in (node.meta.get("nn_module_stack") or {}).values())
     roots: dict[tuple[str, tuple[Step, ...]], Root] = {}
     models: list[torch.nn.Module] = []
+    notes: dict[str, Decision] = {}
     for name in names:
         parsed = parse_source(name) if isinstance(name, str) else None
         if parsed is None:
@@ -234,22 +252,45 @@ def _module_roots(gm: fx.GraphModule, sources: Sequence[str | None] = ()) -> tup
             roots[key], model = _root(scope[variable], list(key[1]))
             if model is None:
                 continue
-            if _STACK_LOCAL.match(variable):
-                roots[key] = roots[key]._replace(prefix=_seen_path(model))
-            else:
+            # A module of a model an earlier frame compiled has its path there: a resume frame's
+            # module on dynamo's stack, or the `self` of a child's forward that dynamo compiles as
+            # a frame of its own after a graph break inside it (T5's decoder stack on torch 2.11).
+            prefix, owner = _seen_path(model)
+            if prefix:
+                roots[key] = roots[key]._replace(prefix=prefix)
+                if not _STACK_LOCAL.match(variable):
+                    notes[prefix] = _child_frame(prefix, model, owner)
+            elif not _STACK_LOCAL.match(variable):
                 _models_seen.add(model)
             if all(model is not m for m in models):
                 models.append(model)
-    return roots, models
+    return FrameRoots(roots, models, tuple(notes.values()))
 
 
-def _seen_path(module: torch.nn.Module) -> str:
-    """``module``'s path in a model of an earlier frame, or ``""``."""
+def _seen_path(module: torch.nn.Module) -> tuple[str, torch.nn.Module | None]:
+    """``module``'s path in a model of an earlier frame, and that model (``""`` and None where
+    none holds it)."""
     for model in list(_models_seen):
         for path, sub in model.named_modules():
             if sub is module:
-                return path
-    return ""
+                return path, model
+    return "", None
+
+
+def _child_frame(path: str, module: torch.nn.Module, model: torch.nn.Module) -> Decision:
+    """The note of a frame whose code is the forward of ``model``'s child ``module`` at ``path``:
+    dynamo's cache serves that code to every module of the class whose guards pass, each running
+    it with the decisions made for this one."""
+    cls = type(module)
+    why = (f"{cls.__name__}.forward compiled as a frame of its own (a graph break inside it), "
+           f"its paths from {path}")
+    others = [p for p, sub in model.named_modules() if type(sub) is cls and sub is not module]
+    if others:
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        why += (f"; dynamo serves this compiled code to a module of the same class ({shown}) "
+                f"whose forward runs as a frame where the guards pass, with the decisions made "
+                f"for {path}: options naming the other's paths do not reach it")
+    return Decision(What.CHILD_FRAME, "backend", why, path)
 
 
 def _root(obj: Any, steps: list[Step]) -> tuple[Root, torch.nn.Module | None]:

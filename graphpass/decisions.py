@@ -77,6 +77,8 @@ class What(enum.Enum):
     # another library's layers (graph/foreign.py): its ops in the graph, or its module outside
     LIBRARY_OPS = "left to {by}: {module}: {why}"
     OUTSIDE_GRAPH = "outside the graph: {module}: {why}"
+    # a frame whose code is a child module's forward (a graph break inside it)
+    CHILD_FRAME = "compiled frame: {module}: {why}"
 
 
 class OpaqueOpWarning(UserWarning):

@@ -167,6 +167,65 @@ def test_a_model_whose_only_part_is_a_layer_stack_is_no_wrapper():
     assert lowered == {"layers.0.fc", "layers.1.fc"}
 
 
+class Breaking(nn.Module):
+    """A child whose forward breaks the graph: dynamo compiles the rest of the child's forward
+    as frames of their own, whose ``self`` is the child, not the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, D)
+        self.fc2 = nn.Linear(D, D)
+
+    def forward(self, x):
+        x = self.fc1(x).relu()
+        torch._dynamo.graph_break()
+        return self.fc2(x)
+
+
+class TwoStacks(nn.Module):
+    """Two children of one class (an encoder and a decoder): paths relative to each child's own
+    frame would be the same for both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(D, D)
+        self.encoder = Breaking()
+        self.decoder = Breaking()
+
+    def forward(self, x):
+        return self.decoder(self.encoder(self.pre(x)))
+
+
+def test_a_graph_break_inside_a_childs_forward_keeps_the_models_paths():
+    """The child's forward is a frame of its own, named from the model (``encoder.fc1``, not
+    ``fc1``); the decoder runs the encoder's compiled code (dynamo's cache serves it to a module
+    of the same class), so a pattern naming the decoder reaches nothing: a warning and a note."""
+    torch._dynamo.reset()
+    with pytest.warns(graphpass.EmptySelectionWarning, match=r"fp8_exclude='decoder\.\*'"):
+        report = _compile_step(TwoStacks(), torch.randn(32, D), fp8_exclude=("decoder.*",))
+    lowered, not_lowered = _fp8(report)
+    assert report.graphs == 3  # pre, and the encoder's forward cut in two by its break
+    assert lowered == {"pre", "encoder.fc1", "encoder.fc2"} and not not_lowered
+    assert {r.module.split(".")[0] for r in report.rows if r.module} <= {"pre", "encoder"}
+    assert [n for n in report.notes if n.startswith("compiled frame")] == [
+        "compiled frame: encoder: Breaking.forward compiled as a frame of its own (a graph break "
+        "inside it), its paths from encoder; dynamo serves this compiled code to a module of "
+        "the same class (decoder) whose forward runs as a frame where the guards pass, with the "
+        "decisions made for encoder: options naming the other's paths do not reach it"]
+
+
+def test_a_graph_break_inside_an_only_childs_forward():
+    torch._dynamo.reset()
+    model = TwoStacks()
+    del model.decoder
+    model.forward = lambda x: model.encoder(model.pre(x))
+    report = _compile_step(model, torch.randn(32, D))
+    assert _fp8(report)[0] == {"pre", "encoder.fc1", "encoder.fc2"}
+    assert [n for n in report.notes if n.startswith("compiled frame")] == [
+        "compiled frame: encoder: Breaking.forward compiled as a frame of its own (a graph break "
+        "inside it), its paths from encoder"]
+
+
 @pytest.mark.parametrize("source, path", [
     ("L['self'].layers[0]._modules['attn']._parameters['weight']", "layers.0.attn.weight"),
     ("L['args'][0].body.fc", "body.fc"),

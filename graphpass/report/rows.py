@@ -15,6 +15,9 @@ from .peak import merge_peaks
 from .table import table
 from .totals import SavedTotals
 
+# Notes said once in a merged report, however many of its graphs say them.
+_SAID_ONCE = frozenset({What.UNUSED, What.CHILD_FRAME})
+
 KINDS = ("activation", "fp8_data", "fp8_scale", "rng_state", "symint", "parameter", "other")
 
 
@@ -127,7 +130,8 @@ class Report(SavedTotals):
         changed under ``dynamic=False``) replaces its earlier compile's graphs, which run no
         more in that step: only the latest compile of each frame is merged, with a
         ``recompile:`` note saying what it replaced (``meta["replaced_graphs"]`` counts them).
-        A note about the config (``unused:``), which every graph repeats, is kept once; so is an
+        A note about the config (``unused:``), which every graph repeats, is kept once, as is
+        a ``compiled frame:`` note of a child's forward broken into several graphs; so is an
         ``outside the graph`` note of a library's module, dropped where another graph holds the
         module's ops (``left to``)."""
         all_reports = list(reports)
@@ -141,8 +145,10 @@ class Report(SavedTotals):
                                     copy_of=prefix + r.copy_of if r.copy_of else "")
                 for r in rep.rows
             ]
-            # The config's own notes (``unused:``) are about every graph alike: said once.
-            said = {d for d in rep.decisions if d.what is What.UNUSED and d in merged.decisions}
+            # The config's own notes (``unused:``) are about every graph alike, and a child's
+            # forward is one note however many graphs its breaks cut it into: said once.
+            said = {d for d in rep.decisions
+                    if d.what in _SAID_ONCE and d in merged.decisions}
             said_text = {str(d) for d in said}
             merged.notes += [n for n in rep.notes if n not in said_text]
             merged.decisions += [d for d in rep.decisions if d not in said]
