@@ -1,7 +1,7 @@
 """A zoo of tiny random-config Hugging Face models (no downloads) trained a few AdamW steps under
 graphpass FP8: dense decoders, GPT-2's Conv1D, MoE (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS with
-attention sinks), parallel residual blocks (GPT-NeoX, Falcon), encoders (BERT, RoBERTa, masked LM)
-and a vision transformer (ViT).
+attention sinks), parallel residual blocks (GPT-NeoX, Falcon), encoders (BERT, RoBERTa, masked LM),
+an encoder-decoder with cross-attention (T5) and a vision transformer (ViT).
 
 Each model trains the same steps on one fixed batch twice, with the same backend
 (``codegen="eager"``) under FP8 and with ``fp8=None``; the FP8 losses stay close to the
@@ -44,7 +44,9 @@ DROPOUT_OFF = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 @dataclasses.dataclass(frozen=True)
 class Arch:
     build: Callable[[], torch.nn.Module]
-    inputs: str  # "causal" (ids, labels = ids), "masked" (every third token labelled), "image"
+    # "causal" (ids, labels = ids), "masked" (every third token labelled), "seq2seq" (the labels
+    # the ids reversed), "image"
+    inputs: str
     lowered: frozenset[str]  # the hand count: the module of every linear lowered to FP8
     not_lowered: dict[str, str]  # module: the beginning of its not-lowered reason
     fp8: str = "tensorwise"
@@ -147,6 +149,27 @@ ZOO = {
                                      "self_attention.dense", "mlp.dense_h_to_4h",
                                      "mlp.dense_4h_to_h"),
                    {**LM_HEAD, "transformer.h.0.self_attention": BMM}),
+    # encoder-decoder (T5, eager attention without scaling, relative position bias): encoder
+    # q, k, v, o, wi, wo = 6 per layer; decoder self-attention q, k, v, o, cross-attention q, k,
+    # v, o (k and v of every decoder layer read the encoder's output), wi, wo = 10 per layer;
+    # the head (tied to the embeddings) by fp8_exclude. Self-attention adds a position bias to
+    # its scores: two matmuls, noted as bmm's; cross-attention, without one, runs SDPA. On
+    # torch 2.11 a graph break inside the decoder stack's forward makes it a frame of its own,
+    # whose paths begin at the model all the same ("decoder.block.0...", with a note)
+    "t5": Arch(lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+                   d_model=HIDDEN, d_ff=FFN, d_kv=16, num_layers=1, num_decoder_layers=2,
+                   num_heads=4, vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
+                   pad_token_id=0)),
+               "seq2seq", _layers("encoder.block", 1, "layer.0.SelfAttention.q",
+                                  "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
+                                  "layer.0.SelfAttention.o", "layer.1.DenseReluDense.wi",
+                                  "layer.1.DenseReluDense.wo")
+               | _layers("decoder.block", 2, *(f"layer.0.SelfAttention.{m}" for m in "qkvo"),
+                         *(f"layer.1.EncDecAttention.{m}" for m in "qkvo"),
+                         "layer.2.DenseReluDense.wi", "layer.2.DenseReluDense.wo"),
+               {**LM_HEAD, "encoder.block.0.layer.0.SelfAttention": BMM,
+                "decoder.block.0.layer.0.SelfAttention": BMM,
+                "decoder.block.1.layer.0.SelfAttention": BMM}),
     # encoders, masked LM: query, key, value, attention output, intermediate, output = 6 per
     # layer, plus the head's hidden-to-hidden transform (not matched by 'lm_head': fnmatch
     # patterns match whole paths); the decoder (tied to the embeddings) is found as the output
@@ -177,7 +200,8 @@ ZOO = {
 # The hand counts, as numbers: one linear more or less lowered fails the test.
 HAND_COUNT = {"llama": 7 * 2, "qwen3": 7, "phi3": 4, "gpt2": 4, "mixtral-bf16": 5,
               "qwen3-moe-rowwise": 5, "deepseek-v3": 9, "gpt-oss": 5, "gpt-neox": 4, "falcon": 4,
-              "bert": 7, "roberta": 7, "vit": 6}
+              "bert": 7, "roberta": 7, "vit": 6,
+              "t5": 6 + 10 * 2}
 
 
 def _batch(arch: Arch) -> dict[str, torch.Tensor]:
@@ -188,6 +212,8 @@ def _batch(arch: Arch) -> dict[str, torch.Tensor]:
     ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)  # clear of the special tokens
     if arch.inputs == "causal":
         return {"input_ids": ids, "labels": ids}
+    if arch.inputs == "seq2seq":  # the decoder reads the labels shifted right
+        return {"input_ids": ids, "labels": ids.flip(1)}
     labels = torch.full_like(ids, -100)
     labels[:, ::3] = ids[:, ::3]
     return {"input_ids": ids, "labels": labels}
@@ -218,10 +244,15 @@ def _train(arch: Arch, fp8: str | None):
 # The largest relative gap of an FP8 loss from the baseline's at the same step (5 steps, lr 1e-3),
 # measured over 4 seeds (0-3, torch 2.13) and seed 0 on torch 2.11 and 2.15 (ViT's and Mixtral's
 # initial weights differ on 2.11): ViT 4.2e-3 (2.11; 3.0e-3 on 2.13), GPT-OSS 2.9e-3,
-# DeepSeek-V3 2.2e-3, Mixtral (bf16) 1.3e-3, Llama 1.2e-3, every other model at most 1.0e-3.
+# DeepSeek-V3 2.2e-3, Mixtral (bf16) 1.3e-3, Llama 1.2e-3, every other model at most 1.0e-3,
+# except T5: 9.7e-3 (seed 2; 8.1e-3 at seed 0 on every version), its attention logits unscaled
+# (no 1/sqrt(d)), so FP8's error in q and k reaches the softmax whole. That is the recipe's, not
+# graphpass's: an eager emulation of tensorwise current scaling written apart from graphpass
+# (each F.linear's X and W cast to e4m3, dY to e5m2, scaled by their amaxes) gave the same first
+# loss and gradients to float rounding.
 # Bounds: about three times each worst. (At lr 3e-3, Adam's sign-like first steps turn FP8's noise
 # in small gradients into full-size updates: the 2-layer Llama's gap reached 1.8e-2 at step 4.)
-LOSS_GAP = {"default": 4e-3, "vit": 1.2e-2, "gpt-oss": 9e-3, "deepseek-v3": 7e-3}
+LOSS_GAP = {"default": 4e-3, "vit": 1.2e-2, "gpt-oss": 9e-3, "deepseek-v3": 7e-3, "t5": 3e-2}
 
 
 @pytest.mark.parametrize("name", list(ZOO))
