@@ -287,9 +287,9 @@ def _child_frame(path: str, module: torch.nn.Module, model: torch.nn.Module) -> 
     others = [p for p, sub in model.named_modules() if type(sub) is cls and sub is not module]
     if others:
         shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
-        why += (f"; dynamo serves this compiled code to a module of the same class ({shown}) "
-                f"whose forward runs as a frame where the guards pass, with the decisions made "
-                f"for {path}: options naming the other's paths do not reach it")
+        why += (f"; dynamo serves this compiled code to the other modules of its class "
+                f"({shown}) wherever their forward runs as a frame and the guards pass, with the "
+                f"decisions made for {path}: options naming only their paths do not reach it")
     return Decision(What.CHILD_FRAME, "backend", why, path)
 
 

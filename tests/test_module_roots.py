@@ -209,9 +209,10 @@ def test_a_graph_break_inside_a_childs_forward_keeps_the_models_paths():
     assert {r.module.split(".")[0] for r in report.rows if r.module} <= {"pre", "encoder"}
     assert [n for n in report.notes if n.startswith("compiled frame")] == [
         "compiled frame: encoder: Breaking.forward compiled as a frame of its own (a graph break "
-        "inside it), its paths from encoder; dynamo serves this compiled code to a module of "
-        "the same class (decoder) whose forward runs as a frame where the guards pass, with the "
-        "decisions made for encoder: options naming the other's paths do not reach it"]
+        "inside it), its paths from encoder; dynamo serves this compiled code to the other "
+        "modules of its class (decoder) wherever their forward runs as a frame and the guards "
+        "pass, with the decisions made for encoder: options naming only their paths do not "
+        "reach it"]
 
 
 def test_a_graph_break_inside_an_only_childs_forward():
