@@ -62,6 +62,7 @@ LLAMA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.
 ATTENTION = LLAMA[:4]
 BERT = ("attention.self.query", "attention.self.key", "attention.self.value",
         "attention.output.dense", "intermediate.dense", "output.dense")
+T5_ATTENTION = tuple(f"layer.0.SelfAttention.{m}" for m in "qkvo")
 NEOX = ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
 LM_HEAD = {"lm_head": EXCLUDED.format("lm_head")}
 
@@ -160,11 +161,9 @@ ZOO = {
                    d_model=HIDDEN, d_ff=FFN, d_kv=16, num_layers=1, num_decoder_layers=2,
                    num_heads=4, vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
                    pad_token_id=0)),
-               "seq2seq", _layers("encoder.block", 1, "layer.0.SelfAttention.q",
-                                  "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
-                                  "layer.0.SelfAttention.o", "layer.1.DenseReluDense.wi",
+               "seq2seq", _layers("encoder.block", 1, *T5_ATTENTION, "layer.1.DenseReluDense.wi",
                                   "layer.1.DenseReluDense.wo")
-               | _layers("decoder.block", 2, *(f"layer.0.SelfAttention.{m}" for m in "qkvo"),
+               | _layers("decoder.block", 2, *T5_ATTENTION,
                          *(f"layer.1.EncDecAttention.{m}" for m in "qkvo"),
                          "layer.2.DenseReluDense.wi", "layer.2.DenseReluDense.wo"),
                {**LM_HEAD, "encoder.block.0.layer.0.SelfAttention": BMM,
