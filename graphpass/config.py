@@ -538,7 +538,7 @@ class Config:
     (``kernels="te"`` with ``fp8="rowwise"``), raises a ValueError that names the valid values. An
     option that has no effect under the others (``kernels="reference"`` with FP8 off) is kept as
     written but not applied, and the report says so in a note (``unused()``).
-    ``Config.from_options(**kw)`` also rejects unknown option names with a ValueError.
+    An unknown option name raises a ValueError that lists the valid ones.
 
     Each keyword of a group reads back as an attribute (``config.fp8``, ``config.kernels``): the
     value in effect; ``codegen``, ``report`` and ``order_backward`` are Config's own fields, as
@@ -644,9 +644,7 @@ class Config:
 def _build(config: Config, values: dict[str, Any], options: dict[str, Any]) -> None:
     """Set ``config``'s fields: ``values`` (the groups and Config's own fields) changed by
     ``options`` (keywords of ``SHORTHAND``, or groups by keyword or attribute)."""
-    for name in options:
-        if name not in SHORTHAND and name not in GROUPS:
-            raise TypeError(f"Config() got an unexpected keyword argument {name!r}")
+    _known(options)
     values = dict(values)
     for name, (attr, _) in SHORTHAND.items():
         if attr is None and name in options:

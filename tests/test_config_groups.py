@@ -77,6 +77,15 @@ def test_replace_keeps_the_rest_of_a_group():
         config.replace(fp9="tensorwise")
 
 
+def test_unknown_keyword_of_config_is_a_value_error_naming_the_valid_ones():
+    """``Config(...)`` itself, not only ``from_options`` and ``backend()``: a ValueError (not
+    Python's TypeError) that lists every valid keyword."""
+    with pytest.raises(ValueError) as e:
+        Config(fp8_recipe="tensorwise")
+    assert str(e.value).startswith("unknown graphpass option(s) 'fp8_recipe'; valid options are: ")
+    assert all(name in str(e.value) for name in SHORTHAND)
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: FP8("delayed"), "fp8='delayed': DelayedScaling keeps amax history"),
     (lambda: FP8("tensorwsie"), "invalid graphpass option fp8='tensorwsie'; valid values are: "
