@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -206,12 +207,21 @@ class FP8(_Group):
     within one FP8 ulp of the opaque op's (docs/fp8.md#exactness). ``False`` keeps each quantize
     one opaque op, for debugging."""
 
-    all_gather: bool = True
+    sequence_all_gather: bool = True
     """With ``fp8="tensorwise"`` under sequence parallelism: quantize each rank's shard before the
     all-gather of a column-parallel input (and of a row-parallel output gradient in the
     backward), with the amax reduced (max) over the group, and all-gather the FP8 bytes, as
     Transformer Engine does: half the bytes of a bf16 all-gather, the same FP8 bits. ``False``
-    all-gathers the high-precision tensor and quantizes it after."""
+    all-gathers the high-precision tensor and quantizes it after. (``fp8_all_gather`` is its
+    deprecated name.)"""
+
+    weight_all_gather: bool = True
+    """With ``fp8="tensorwise"`` under FSDP2 (``fully_shard``): the weights that
+    ``graphpass.fsdp_fp8_weights(model, config)`` wraps before ``fully_shard`` are quantized
+    shard by shard with the amax of the whole weight and all-gathered as FP8 bytes, half the
+    bytes of a bf16 all-gather, the same FP8 bits as quantizing the gathered weight
+    (docs/distributed.md#fsdp2-weights-all-gathered-in-fp8). ``False``: that function wraps
+    nothing and every weight is all-gathered in the parameter dtype."""
 
     accumulate: FP8Accumulate = "te"
     """How the FP8 GEMMs accumulate: ``"te"`` (fast accumulation for the forward GEMM, split,
@@ -288,7 +298,7 @@ class FP8(_Group):
                 f"that provider runs fp8={' or '.join(map(repr, runs[self.kernels][1:]))} only; use "
                 f"kernels='reference' (or 'auto') for fp8={self.recipe!r}"
             )
-        self._bools("fuse_quantize", "all_gather", "weight_once")
+        self._bools("fuse_quantize", "sequence_all_gather", "weight_all_gather", "weight_once")
         self._bools("pow2_scales", optional=True)
         if not (isinstance(self.weight_cache, bool) or self.weight_cache == "auto"):
             raise ValueError(f"invalid graphpass option fp8_weight_cache={self.weight_cache!r}; "
@@ -297,7 +307,7 @@ class FP8(_Group):
         self._counts("min_gemm_flops")
 
     def _unused(self) -> list[tuple[str, str]]:
-        # fp8_exclude, save_original, fuse_quantize and fp8_all_gather need no note: sweeps over
+        # fp8_exclude, save_original, fuse_quantize and the fp8 all-gathers need no note: sweeps over
         # fp8 (None included) set them for every point, as the CLI's policies do.
         out = [] if self.recipe is not None else [
             (name, _ANY_RECIPE) for name in ("save_original_modules", "weight_once", "weight_cache",
@@ -485,7 +495,8 @@ SHORTHAND: dict[str, tuple[str | None, str]] = {
     "fp8_exclude": ("float8", "exclude"),
     "fuse_quantize": ("float8", "fuse_quantize"),
     "order_backward": (None, "order_backward"),
-    "fp8_all_gather": ("float8", "all_gather"),
+    "fp8_sequence_all_gather": ("float8", "sequence_all_gather"),
+    "fp8_weight_all_gather": ("float8", "weight_all_gather"),
     "fp8_accumulate": ("float8", "accumulate"),
     "fp8_cost_model": ("float8", "cost_model"),
     "fp8_min_gemm_flops": ("float8", "min_gemm_flops"),
@@ -509,6 +520,36 @@ SHORTHAND: dict[str, tuple[str | None, str]] = {
     "fp8_cache_format": ("activation_cache", "format"),
     "fp8_cache_min_bytes": ("activation_cache", "min_bytes"),
 }
+
+# Deprecated keywords: each old name and the keyword it now is. ``Config``, ``replace``,
+# ``from_options`` (hence ``GRAPHPASS_OPTIONS`` and the named backends) accept the old name with
+# a FutureWarning, once per name and process; ``config.<old name>`` reads the new keyword.
+DEPRECATED: dict[str, str] = {
+    "fp8_all_gather": "fp8_sequence_all_gather",
+}
+_warned: set[str] = set()
+
+
+def _renamed(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with each deprecated keyword under its new name (warned once per name)."""
+    if not any(name in DEPRECATED for name in options):
+        return options
+    out = {}
+    for name, value in options.items():
+        new = DEPRECATED.get(name)
+        if new is None:
+            out[name] = value
+            continue
+        if new in options:
+            raise ValueError(f"graphpass options {name} and {new} given together: {name} is the "
+                             f"deprecated name of {new}; give {new} only")
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"graphpass option {name} is deprecated; use {new}", FutureWarning,
+                          stacklevel=4)
+        out[new] = value
+    return out
+
 
 # Each group of Config: its attribute, its class, and the keyword that takes it whole as well as
 # its main option's value (``fp8="tensorwise"`` or ``fp8=FP8("tensorwise", ...)``).
@@ -643,8 +684,10 @@ class Config:
 
 def _build(config: Config, values: dict[str, Any], options: dict[str, Any]) -> None:
     """Set ``config``'s fields: ``values`` (the groups and Config's own fields) changed by
-    ``options`` (keywords of ``SHORTHAND``, or groups by keyword or attribute)."""
+    ``options`` (keywords of ``SHORTHAND`` or ``DEPRECATED``, or groups by keyword or
+    attribute)."""
     _known(options)
+    options = _renamed(options)
     values = dict(values)
     for name, (attr, _) in SHORTHAND.items():
         if attr is None and name in options:
@@ -670,7 +713,7 @@ def _build(config: Config, values: dict[str, Any], options: dict[str, Any]) -> N
 
 
 def _known(options: dict[str, Any]) -> None:
-    unknown = sorted(set(options) - set(SHORTHAND) - set(GROUPS))
+    unknown = sorted(set(options) - set(SHORTHAND) - set(GROUPS) - set(DEPRECATED))
     if unknown:
         raise ValueError(
             f"unknown graphpass option(s) {', '.join(map(repr, unknown))}; "
@@ -690,6 +733,8 @@ def _keyword_property(name: str, attr: str, field: str) -> property:
 for _name, (_attr, _field) in SHORTHAND.items():
     if _attr is not None:
         setattr(Config, _name, _keyword_property(_name, _attr, _field))
+for _name, _new in DEPRECATED.items():
+    setattr(Config, _name, _keyword_property(_name, *SHORTHAND[_new]))
 
 
 def option_fields() -> list[tuple[str, type, dataclasses.Field]]:

@@ -182,7 +182,7 @@ PLANS = {
     "unoptimised": dict(memory="default", save_original="never"),
     # the same without the FP8 all-gather (passes/fp8_all_gather.py): the bf16 sequence is
     # gathered and quantized after; outputs and gradients must be the same bits
-    "bf16_gather": dict(memory="default", save_original="never", fp8_all_gather=False),
+    "bf16_gather": dict(memory="default", save_original="never", fp8_sequence_all_gather=False),
     "planner": dict(memory="auto", save_original="always", recompute=("layernorm", "act")),
     "mlp": dict(memory="auto", recompute=("mlp",)),
 }

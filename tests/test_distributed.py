@@ -91,7 +91,7 @@ def test_llama3_70b_layer_at_tp8_plans_one_rank_by_hand_count():
 def test_fp8_all_gather_halves_the_gathered_bytes_and_saves_the_same(fp8_format):
     """One rank of the tiny Llama block at TP=2 (bf16, sequence 32, hidden 256), FP8 tensorwise
     (both formats: the backward gathers E5M2 or E4M3 gradients), with the FP8 all-gather
-    (default) and without (fp8_all_gather=False): the all-gathers move 1 byte per element
+    (default) and without (fp8_sequence_all_gather=False): the all-gathers move 1 byte per element
     instead of 2, each after a 4-byte amax all-reduce; the saved bytes are the same (the
     gathered FP8 copies are saved either way). The bits are compared on real ranks in
     tests/test_distributed_gloo.py."""
@@ -102,7 +102,7 @@ def test_fp8_all_gather_halves_the_gathered_bytes_and_saves_the_same(fp8_format)
             block, inputs = llama.build_tp("tiny", tp=tp, dtype=torch.bfloat16)
             reports[on] = graphpass.plan(block, *inputs, config=graphpass.Config(
                 fp8="tensorwise", fp8_format=fp8_format, kernels="reference",
-                fp8_all_gather=on))
+                fp8_sequence_all_gather=on))
     gathered = 2 * b * s * h  # two all-gathers of the whole sequence per side
     scattered = f"reduce_scatter_tensor x2 ({2 * b * s // tp * h * 2 // 1024}.00 KiB out)"
     for side in ("forward", "backward"):

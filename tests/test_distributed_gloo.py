@@ -11,7 +11,7 @@ step are bit-identical to one process running each rank's rows through the same 
 and averaging the two gradients as FSDP2 does, in bf16 and in FP8 (one process sums in the same
 order: the sum of two is commutative). The memory passes on a TP-sharded block give gradients
 bit-identical to the unoptimised plan, and so does the FP8 all-gather of the sequence-parallel
-tensors against quantizing after a bf16 all-gather (``fp8_all_gather=False``). Against a single process on the whole batch (and against
+tensors against quantizing after a bf16 all-gather (``fp8_sequence_all_gather=False``). Against a single process on the whole batch (and against
 the unsharded TP block), the numbers differ by reduction order, and under FP8 by scales: the
 bounds below are the measured values (docs/distributed.md) with a margin.
 """
@@ -271,11 +271,11 @@ def test_tp_sp_rank_report_names_shards_collectives_and_what_fp8_does_not_do(tp)
                 "gathered tensor has one scale, the same on every rank; a weight shard or a "
                 "row-parallel input scales by this rank's shard") in notes
         assert not any("quantized after" in n for n in notes)
-        # with fp8_all_gather=False: the bf16 all-gathers of before, and a note saying so
+        # with fp8_sequence_all_gather=False: the bf16 all-gathers of before, and a note saying so
         off = rank["bf16_gather"]["reports"][0]["notes"]
         assert ("collectives in the forward: all_gather_into_tensor x2 (64.00 KiB out), "
                 "reduce_scatter_tensor x2 (32.00 KiB out)") in off
-        assert ("fp8 all-gather: not for self_attn.q_proj: input: off (fp8_all_gather=False): "
+        assert ("fp8 all-gather: not for self_attn.q_proj: input: off (fp8_sequence_all_gather=False): "
                 "the all-gather moves bfloat16, quantized after it") in off
         assert ("fp8 under tensor parallelism: all-gathers that move bfloat16 are quantized "
                 "after the collective (the fp8 all-gather notes say why), so a gathered input "
@@ -287,7 +287,7 @@ def test_tp_sp_rank_report_names_shards_collectives_and_what_fp8_does_not_do(tp)
 def test_fp8_all_gather_is_bit_identical_to_quantizing_after_a_bf16_all_gather(tp):
     """TP+SP FP8 with the FP8 all-gather (each rank quantizes its sequence shard with the group's
     amax, the all-gather moves the FP8 bytes; forward inputs and backward gradients) against
-    fp8_all_gather=False (the bf16 sequence gathered, then quantized whole): the block's output,
+    fp8_sequence_all_gather=False (the bf16 sequence gathered, then quantized whole): the block's output,
     input gradient and every weight gradient are the same bits on each rank."""
     ranks, _ = tp
     for r, rank in enumerate(ranks):

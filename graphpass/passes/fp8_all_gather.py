@@ -60,9 +60,9 @@ def fp8_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
         wait, path, quantizes = found
         role = quantizes[0].args[2]
         where = module_path(quantizes[0]) or module_path(gather)
-        if not config.fp8_all_gather:
+        if not config.fp8_sequence_all_gather:
             plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", (
-                f"{role}: off (fp8_all_gather=False): the all-gather moves "
+                f"{role}: off (fp8_sequence_all_gather=False): the all-gather moves "
                 f"{_dtype(gather)}, quantized after it"), where), once=True)
             continue
         pinned = any(partition_side(q) is Side.MUST_BE_IN_BACKWARD for q in quantizes)
