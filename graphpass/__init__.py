@@ -9,6 +9,8 @@ from ._version import __version__
 from .backend import backend
 from .config import FP8, ActivationCache, Config, MemoryPlan, Offload, Recompute
 from .decisions import Decision, OpaqueOpWarning, What
+from .job.estimate import estimate
+from .job.result import JobEstimate
 from .fp8.weight_cache import clear as clear_weight_cache, stats as weight_cache_stats
 from .pipeline import partition
 from .reporting import last_report
@@ -21,6 +23,6 @@ from .named import register as _register
 _register()
 
 __all__ = ["ActivationCache", "backend", "clear_weight_cache", "Config", "Decision",
-           "EmptySelectionWarning", "FP8", "MemoryPlan", "Offload", "OpaqueOpWarning",
+           "EmptySelectionWarning", "estimate", "FP8", "JobEstimate", "MemoryPlan", "Offload", "OpaqueOpWarning",
            "partition", "plan",
            "last_report", "Recompute", "Report", "Row", "weight_cache_stats", "What", "__version__"]

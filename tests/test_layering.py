@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("passes",),
     ("min_cut", "reporting", "pipeline", "selections"),
     ("backend", "plan", "distributed"),
+    ("job",),
     ("testing",),
     ("cli_flags", "named", "cli", "__main__", "__init__"),
 )
