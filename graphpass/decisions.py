@@ -70,6 +70,7 @@ class What(enum.Enum):
     # what the report observed in the partitioned graphs
     FLOPS_ESTIMATED = "flops: estimated as one per element for {why}"
     COLLECTIVES = "collectives in the {why}"
+    WEIGHT_ALL_GATHER = "weight all-gather: {module}: {why}"
     SIZES_ASSUMED = "sizes: {why}"
     RECOMPILED = "recompile: {why}"
     # the backward's order for Inductor

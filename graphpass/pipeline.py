@@ -17,7 +17,9 @@ from .min_cut import TrialMinCut, min_cut
 from .passes.canonicalize import canonicalize
 from .passes.fp8_all_gather import fp8_all_gather
 from .passes.fp8_cache import fp8_cache
+from .passes.fp8_weight_all_gather import fp8_weight_all_gather
 from .passes.fp8_weight_cache import fp8_weight_cache
+from .passes.fsdp_fp8_weights import fsdp_fp8_weights
 from .passes.lower_fp8 import lower_fp8
 from .passes.memory_budget import memory_budget
 from .passes.offload import offload, offload_hidden
@@ -36,7 +38,10 @@ __all__ = ["PASSES", "Partition", "last_report", "partition", "run"]
 # against torch's min-cut of the graph as tagged asks the partitioner it is handed; what it
 # changes about how later partitions run is a field of the plan.
 PASSES: tuple[Callable[[fx.GraphModule, Plan, Config, TrialPartitioner], None], ...] = (
-    canonicalize, lower_fp8, save_original, fp8_weight_cache, fp8_all_gather, recompute, offload,
+    canonicalize, lower_fp8, fsdp_fp8_weights, save_original, fp8_weight_cache,
+    # SimpleFSDP's weights first (one amax all-reduce for a graph's weights), then the
+    # sequence-parallel inputs and gradients
+    fp8_weight_all_gather, fp8_all_gather, recompute, offload,
     plan_memory,
     # exact, and weighed on torch's min-cut of the plan the passes above tagged
     regather,

@@ -17,7 +17,7 @@ from ._version import __version__
 from .config import Config
 from .decisions import Decision, Plan, What
 from .fp8.inductor import fusion_notes, quantize_code
-from .graph.collectives import collective_notes, fp8_distributed_notes
+from .graph.collectives import collective_notes, fp8_distributed_notes, weight_gather_notes
 from .graph.flops import step_flops
 from .graph.foreign import foreign_notes
 from .graph.gemms import coverage
@@ -75,8 +75,11 @@ class ReportBuilder:
             *outcome,
             *copy_notes(offload_copies(fw, bw), synchronous=self.config.offload_stream is False),
             *collective_notes(fw, bw),  # a tensor/sequence-parallel rank's communication
+            # SimpleFSDP: each weight's all-gather, its dtype and bytes
+            *weight_gather_notes(fw, bw, self.parameter_names, named),
             *foreign_notes((fw, bw)),  # other libraries' layers: in the graph or outside it
-            *(fp8_distributed_notes(fw, bw, fsdp=fsdp) if lowered else []),
+            *(fp8_distributed_notes(fw, bw, fsdp=fsdp, parameter_names=self.parameter_names)
+              if lowered else []),
             *(Decision(What.SIZES_ASSUMED, "sizes", why) for why in _compat.assumed_sizes_why(assumed)),
         ]
         report.notes = [str(d) for d in report.decisions]

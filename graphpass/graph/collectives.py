@@ -16,6 +16,17 @@ import torch.fx as fx
 from .. import _compat
 from ..decisions import Decision, What
 from ..report import format_bytes
+from .nodes import normalize_path, op_name
+from .ops import CASTS, COLLECTIVE_GATHERS, VIEWS
+
+
+def gathered_parameter(gather: fx.Node, parameters: set[fx.Node]) -> fx.Node | None:
+    """The parameter an ``all_gather_into_tensor`` gathers (its shard, through dtype casts: a
+    SimpleFSDP weight, cast to the mixed-precision policy's dtype before or after), else None."""
+    x = gather.args[0]
+    while isinstance(x, fx.Node) and x.op == "call_function" and op_name(x) in CASTS:
+        x = x.args[0]
+    return x if isinstance(x, fx.Node) and x in parameters else None
 
 
 def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
@@ -42,6 +53,56 @@ def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
     return notes
 
 
+def weight_gathers(gm: fx.GraphModule, parameter_names: set[str]
+                   ) -> list[tuple[fx.Node, fx.Node, torch.dtype | None]]:
+    """The all-gathers of parameters in ``gm`` (SimpleFSDP's weights): each gather, the shard's
+    placeholder it reads (through views, casts and the FP8 quantize moved before it), and the
+    FP8 dtype its bytes hold (None: it gathers the parameter's values)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or op_name(node) not in COLLECTIVE_GATHERS:
+            continue
+        x, fp8 = node.args[0], None
+        while isinstance(x, fx.Node) and x.op == "call_function":
+            name = op_name(x)
+            if name == "graphpass.quantize_amax":
+                fp8 = x.meta["val"][0].dtype
+            elif name not in VIEWS | CASTS | {"getitem", "aten.clone"}:
+                break
+            x = x.args[0]
+        if isinstance(x, fx.Node) and x.op == "placeholder" and x.name in parameter_names:
+            found.append((node, x, fp8))
+    return found
+
+
+def weight_gather_notes(fw: fx.GraphModule, bw: fx.GraphModule, parameter_names: set[str],
+                        names: dict[str, str]) -> list[Decision]:
+    """One note per all-gather of a parameter (SimpleFSDP): the weight (the user's name, from
+    ``names``, else its placeholder's), the gathered shape, the dtype it moves and the bytes
+    this rank receives per step."""
+    notes = []
+    for side, gm in (("forward", fw), ("backward", bw)):
+        for gather, shard, fp8 in weight_gathers(gm, parameter_names):
+            val = gather.meta["val"]
+            shape = tuple(val.shape)
+            moved = (f"{str(fp8).removeprefix('torch.')} (as uint8)" if fp8 is not None
+                     else str(val.dtype).removeprefix("torch."))
+            notes.append(Decision(What.WEIGHT_ALL_GATHER, "distributed", (
+                f"{side}, {shape}, {moved}, {format_bytes(val.numel() * val.element_size())} "
+                "per step"), normalize_path(names.get(shard.name, ""), of_module=False)
+                or shard.name))
+    return notes
+
+
+SIMPLE_FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
+    "FSDP in the graph (SimpleFSDP): a lowered weight whose all-gather moves FP8 is quantized "
+    "shard by shard with the amax of the whole weight (all-reduced, max), the bits of "
+    "quantizing the gathered weight; one moving its parameter dtype is quantized after the "
+    "all-gather (the fp8 all-gather notes say why); the gradients' reduce-scatters move the "
+    "gradient dtype; activation amaxes are this rank's batch rows, not reduced across "
+    "data-parallel ranks"))
+
+
 FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
     "FSDP2: each weight is quantized after FSDP's all-gather, from the unsharded weight (one "
     "scale per weight, as in one process); the all-gather moves the parameter dtype: FP8 "
@@ -49,14 +110,20 @@ FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
     "rank's batch rows, not reduced across data-parallel ranks"))
 
 
-def fp8_distributed_notes(fw: fx.GraphModule, bw: fx.GraphModule, *, fsdp: bool) -> list[Decision]:
+def fp8_distributed_notes(fw: fx.GraphModule, bw: fx.GraphModule, *, fsdp: bool,
+                          parameter_names: set[str] = frozenset()) -> list[Decision]:
     """FP8 in a distributed graph (docs/distributed.md): where the all-gathers quantize (before
     the collective with a group amax, or after it), and what graphpass does not do (FP8
-    all-gather of FSDP2's weights, amaxes reduced over data-parallel ranks or weight shards)."""
+    all-gather of FSDP2's weights, amaxes reduced over data-parallel ranks or weight shards).
+    ``parameter_names``: the placeholders that are parameters (an all-gather of one is
+    SimpleFSDP's, noted apart from the tensor-parallel ones)."""
     notes = [FSDP_FP8] if fsdp else []
+    weights = {g for gm in (fw, bw) for g, _, _ in weight_gathers(gm, parameter_names)}
+    if weights:
+        notes.append(SIMPLE_FSDP_FP8)
     moved = {node.meta["val"].dtype
              for gm in (fw, bw) for node in gm.graph.nodes
-             if node.op == "call_function"
+             if node.op == "call_function" and node not in weights
              and getattr(node.target, "__name__", "").startswith("all_gather_into_tensor")
              and isinstance(node.meta.get("val"), torch.Tensor)}
     high = sorted(str(d).removeprefix("torch.") for d in moved if d.is_floating_point)

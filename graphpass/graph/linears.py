@@ -13,6 +13,12 @@ a dtype cast. A weight stored ``[in, out]`` (GPT-2's ``Conv1D``: ``y = x @ W + b
     dgrad:  mm(g2d, permute(W, [1, 0]))         dX = dY @ W.T
     wgrad:  mm(permute(x2d, [1, 0]), g2d)       dW = X.T @ dY We follow operands from each forward GEMM to a weight placeholder, then find the
 backward GEMMs that read the same weight and the same ``x2d``.
+
+A weight all-gathered inside the graph (torchtitan's SimpleFSDP: each parameter is this rank's
+shard, gathered by ``_c10d_functional.all_gather_into_tensor`` and its ``wait_tensor`` before
+the GEMMs read it) is found through the gather: ``Linear.weight`` is the shard's placeholder,
+``Linear.w`` the gathered weight the GEMMs read, and the weight's gradient the backward's
+reduce-scatter of wgrad's result.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch.fx as fx
 
 from .joint import primals as primals_of
 from .nodes import is_backward, module_path, op_name
-from .ops import CASTS, TRANSPOSES
+from .ops import CASTS, COLLECTIVE_GATHERS, COLLECTIVE_WAITS, TRANSPOSES
 
 
 
@@ -64,8 +70,40 @@ def _untranspose(node: fx.Node) -> tuple[fx.Node, bool]:
 
 
 def _uncast(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and op_name(node) in CASTS:
-        node = node.args[0]
+    """Strip dtype casts, and an in-graph all-gather of the tensor (its wait and the collective:
+    a SimpleFSDP weight is gathered from this rank's shard, cast before or after)."""
+    while node.op == "call_function":
+        if op_name(node) in CASTS:
+            node = node.args[0]
+        elif gathered_from(node) is not None:
+            node = gathered_from(node)
+        else:
+            break
+    return node
+
+
+def gathered_from(node: fx.Node) -> fx.Node | None:
+    """The tensor ``node`` all-gathers, where ``node`` is ``wait_tensor(all_gather_into_tensor(
+    x, ...))`` (dim 0, as the functional collective gathers): ``x``; else None."""
+    if op_name(node) not in COLLECTIVE_WAITS or not isinstance(node.args[0], fx.Node):
+        return None
+    gather = node.args[0]
+    if op_name(gather) not in COLLECTIVE_GATHERS or not isinstance(gather.args[0], fx.Node):
+        return None
+    return gather.args[0]
+
+
+def _unscatter(node: fx.Node) -> fx.Node:
+    """Strip casts and a reduce-scatter (its wait and the collective) from a weight's gradient:
+    under SimpleFSDP the shard's gradient is wgrad's result reduce-scattered."""
+    while node.op == "call_function":
+        if op_name(node) in CASTS:
+            node = node.args[0]
+        elif (op_name(node) in COLLECTIVE_WAITS and isinstance(node.args[0], fx.Node)
+              and op_name(node.args[0]) == "_c10d_functional.reduce_scatter_tensor"):
+            node = node.args[0].args[0]
+        else:
+            break
     return node
 
 
@@ -109,7 +147,7 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
             elif isinstance(term, fx.Node):
                 terms.append(term)
         for term in terms:
-            base, flipped = _untranspose(_uncast(term))
+            base, flipped = _untranspose(_uncast(_unscatter(term)))
             if flipped or op_name(base) != "aten.mm" or not is_backward(base):
                 continue
             # dW = dY.T @ X (N, K), or for a stored [in, out] weight dW = X.T @ dY (K, N)

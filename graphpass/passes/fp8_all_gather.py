@@ -38,6 +38,7 @@ from ..fp8 import recipes
 from ..fp8.ops import AMAX, QUANTIZE_AMAX
 from ..graph.joint import (Side, copy_checkpoint_tags, in_user_checkpoint, partition_side,
                            set_partition_side)
+from ..graph.collectives import gathered_parameter
 from ..graph.nodes import module_path, op_name
 from ..graph.ops import COLLECTIVE_GATHERS, COLLECTIVE_WAITS, GATHER_LAYOUT
 from .partitioner import TrialPartitioner
@@ -49,9 +50,12 @@ def fp8_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
                    partitioner: TrialPartitioner) -> None:
     if config.fp8 is None:
         return
-    gathers = [n for n in joint.graph.nodes if op_name(n) in COLLECTIVE_GATHERS]
+    # a parameter's gather (SimpleFSDP's weights) is passes/fp8_weight_all_gather.py's, which
+    # ran before this pass and noted each it left
+    gathers = [n for n in joint.graph.nodes if op_name(n) in COLLECTIVE_GATHERS
+               and gathered_parameter(n, plan.parameters) is None]
     for gather in gathers:
-        found = _match(gather)
+        found = match_gather(gather)
         if isinstance(found, str):
             if found:
                 plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", found, module_path(gather)),
@@ -66,7 +70,7 @@ def fp8_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
                 f"{_dtype(gather)}, quantized after it"), where), once=True)
             continue
         pinned = any(partition_side(q) is Side.MUST_BE_IN_BACKWARD for q in quantizes)
-        _rewrite(joint.graph, gather, wait, path, quantizes)
+        quantize_before_gather(joint.graph, gather, wait, path, quantizes)
         side = "backward" if role == "grad" else "forward"
         # save_original pins the columnwise quantize in the backward to re-quantize a saved
         # original; with no high-precision gathered tensor left, the backward transposes the
@@ -89,7 +93,7 @@ def _live_users(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u.users or op_name(u) not in GATHER_LAYOUT | {"getitem"}]
 
 
-def _match(gather: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
+def match_gather(gather: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
     """(the wait, the layout nodes after it in graph order, the quantizes reading them), or why
     not ("" when no quantize reads the gathered tensor: nothing to say)."""
     x = gather.args[0]
@@ -158,8 +162,11 @@ def _every_element_once(path: list[fx.Node], quantizes: list[fx.Node], numel: in
     return ""
 
 
-def _rewrite(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path: list[fx.Node],
-             quantizes: list[fx.Node]) -> None:
+def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path: list[fx.Node],
+                           quantizes: list[fx.Node], amax: fx.Node | None = None) -> None:
+    """Rewrite ``gather`` (matched by :func:`match_gather`): quantize its input with the group's
+    amax, all-gather the FP8 bytes. ``amax``: the group's amax of the input, reduced already
+    (one all-reduce for several gathers); None reduces this input's own amax here."""
     x, group_size, group_name = gather.args[:3]
     _, recipe, role, _ = quantizes[0].args
     fp8 = recipes.fp8_dtype(recipe, role)
@@ -189,11 +196,15 @@ def _rewrite(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path: list[fx.Node
 
     quantized = Quantized(role, False, x, recipe)
     with graph.inserting_before(gather):
-        amax = new(AMAX, (x,), gather)
-        reduced = new(_compat.functional_collective("all_reduce"), (amax, "max", group_name),
-                      gather, val=amax.meta["val"].new_empty(()))
-        reduced = new(_compat.functional_collective("wait_tensor"), (reduced,), gather,
-                      val=reduced.meta["val"])
+        if amax is None:
+            local_amax = new(AMAX, (x,), gather)
+            reduced = new(_compat.functional_collective("all_reduce"),
+                          (local_amax, "max", group_name), gather,
+                          val=local_amax.meta["val"].new_empty(()))
+            reduced = new(_compat.functional_collective("wait_tensor"), (reduced,), gather,
+                          val=reduced.meta["val"])
+        else:
+            reduced = amax
         rows = new(torch.ops.aten.reshape.default, (x, [-1, local.shape[-1]]), gather)
         # the quantize and its outputs belong to the linear, as the quantizes they replace
         q = new(QUANTIZE_AMAX, (rows, reduced, recipe, role), gather, module=quantizes[0])
