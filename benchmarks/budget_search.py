@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import graphpass  # noqa: E402
-from examples import deepseek, gpt, llama  # noqa: E402
+from graphpass.models import deepseek, gpt, llama  # noqa: E402
 from graphpass.decisions import What  # noqa: E402
 from graphpass.report import format_bytes  # noqa: E402
 

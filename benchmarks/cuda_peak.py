@@ -238,7 +238,7 @@ def partitioned(model_name: str, size: str, layers: int, options: dict[str, Any]
         out[0].meta["num_fwd_outputs"] = kwargs["num_fwd_outputs"]
         return out
 
-    example = importlib.import_module(f"examples.{model_name}")
+    example = importlib.import_module(f"graphpass.models.{model_name}")
     model, inputs = example.build(size, layers=layers, device="meta", dtype=torch.bfloat16)
     # partitioned as for a GPU (graphpass.plan traces on the CPU): min_cut's choices for CUDA
     with mock.patch.object(backend_module, "run", capturing), \

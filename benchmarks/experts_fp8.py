@@ -6,7 +6,7 @@ DeepSeek-V3 layer, a kernel profile of each FP8 step, and PASS/FAIL lines for th
 
 Cases: the ``experts`` model (benchmarks/_experts.py: 16 DeepSeek-V3-shaped SwiGLU experts,
 ``torch._grouped_mm`` with offsets) over 8,192 and over 32,768 routed tokens (512 and 2,048 per
-expert: one rank of EP=16), and one DeepSeek-V3 layer (examples/deepseek.py: 256 ``bmm`` experts,
+expert: one rank of EP=16), and one DeepSeek-V3 layer (graphpass/models/deepseek.py: 256 ``bmm`` experts,
 seq 4096). Configs: graphpass bf16 (the experts on bf16 ``_grouped_mm`` / ``bmm``), FP8
 ``rowwise``, FP8 ``tensorwise`` with ``fp8_format="e4m3"`` (every expert GEMM one grouped kernel,
 as rowwise) and FP8 ``tensorwise`` in its default HYBRID format (E5M2 gradients: dgrad and wgrad
@@ -67,7 +67,7 @@ ACCUMULATING_LABEL = "weight cache, every GEMM"
 class Case:
     key: str
     label: str
-    module: str  # benchmarks/_experts or examples.deepseek
+    module: str  # benchmarks/_experts or graphpass.models.deepseek
     size: str
     experts: int
 
@@ -80,7 +80,7 @@ def cases(dry_run: bool, keys: list[str] | tuple[str, ...] = CASE_KEYS) -> list[
     every = [Case("experts_8k", "experts, 8,192 tokens", "_experts", tiny or "real", 4 if tiny else 16),
              Case("experts_32k", "experts, 32,768 tokens", "_experts", tiny or "real_32k",
                   4 if tiny else 16),
-             Case("deepseek", "DeepSeek-V3 layer", "examples.deepseek", tiny or "real",
+             Case("deepseek", "DeepSeek-V3 layer", "graphpass.models.deepseek", tiny or "real",
                   8 if tiny else 256)]
     return [c for c in every if c.key in keys]
 
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             line = f"- {case.label}: FP8 rowwise faster than torchao's MoE FP8 training"
             lines.append(_judged(line, None if got is None else got > peer,
                                  f"{got or 0:.2f}x against {peer:.2f}x bf16", args.dry_run))
-        if case.module == "examples.deepseek":
+        if case.module == "graphpass.models.deepseek":
             fp8, bf16 = peaks.get((case.label, ROWWISE)), peaks.get((case.label, "bf16"))
             line = f"- {case.label}: FP8 rowwise step peak <= bf16's (no weight cache)"
             ok = None if fp8 is None or bf16 is None else fp8 <= bf16

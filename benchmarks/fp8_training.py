@@ -49,7 +49,8 @@ from graphpass.config import FP8CacheFormat  # noqa: E402
 # levels: the same as the byte benchmark's
 from benchmarks.memory import CACHE_LEVELS as LEVELS  # noqa: E402
 from benchmarks.memory import TORCH_AQ  # noqa: E402
-from examples import deepseek, llama, train  # noqa: E402
+from examples import train  # noqa: E402
+from graphpass.models import deepseek, llama  # noqa: E402
 
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ lives in the repo root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # graphpass from a checkout
 import graphpass  # noqa: E402
-from examples import llama  # noqa: E402
+from graphpass.models import llama  # noqa: E402
 
 _BUFFER = re.compile(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
 

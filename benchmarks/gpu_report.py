@@ -142,7 +142,7 @@ def predicted_bytes(model_name: str, options: dict[str, object] | None, mode: Mo
 def planned(model_name: str, options: dict[str, object] | None, mode: Mode,
             layers: int = 1) -> tuple[graphpass.Report | None, str]:
     """``graphpass.plan``'s report for the same model, size and config, or why there is none."""
-    build = importlib.import_module(f"examples.{model_name}").build
+    build = importlib.import_module(f"graphpass.models.{model_name}").build
     model, inputs = build(mode.size, layers=layers, dtype=torch.bfloat16,
                           device="meta" if mode.size == "real" else "cpu")
     options, _ = cuda_graphs(options)
@@ -457,7 +457,7 @@ def measure_peak(layers: int, options: dict[str, object], mode: Mode
         backend = graphpass.backend(codegen=mode.codegen, **options)
     except ValueError as e:
         return None, None, None, f"skipped: {reason(e)}"
-    model, (x,) = importlib.import_module("examples.llama").build(
+    model, (x,) = importlib.import_module("graphpass.models.llama").build(
         mode.size, layers=layers, device=mode.device, dtype=dtype)
     step = torch.compile(lambda x: model(x).sum(), backend=backend)
     try:

@@ -108,7 +108,7 @@ def policies(model: str, fp8: str, cache: bool = False) -> dict[str, dict | str 
 
 
 def _in_layer(model_name: str, report) -> float | None:
-    config = importlib.import_module(f"examples.{model_name}").SIZES["real"]
+    config = importlib.import_module(f"graphpass.models.{model_name}").SIZES["real"]
     inside = report.bytes_by_layer().get("layers.0")
     return None if inside is None else inside / (config.seq * config.batch * config.hidden)
 
@@ -116,7 +116,7 @@ def _in_layer(model_name: str, report) -> float | None:
 def plan(model_name: str, size: str, cfg: dict | None) -> Result:
     if cfg == TORCHAO_MOE:
         return Result("torchao MoE FP8 training", None, None, TORCHAO_MOE_WHY)
-    build = importlib.import_module(f"examples.{model_name}").build
+    build = importlib.import_module(f"graphpass.models.{model_name}").build
     model, inputs = build(size)
     if cfg is None:
         try:

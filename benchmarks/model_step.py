@@ -5,7 +5,7 @@ graphpass FP8 in one run, with tokens/s and the step's peak.
     PYTHONPATH=. python benchmarks/model_step.py --layers 4 --steps 5
     PYTHONPATH=. python benchmarks/model_step.py --dry-run         # CPU, tiny, ~1 min
 
-``examples/llama.py``'s layers at seq 8192, bf16 weights, one training step each time:
+``graphpass/models/llama.py``'s layers at seq 8192, bf16 weights, one training step each time:
 ``zero_grad(set_to_none=True)``, the compiled forward, a backward seeded with ones (allocated once,
 before the measurement), then ``AdamW.step()`` (``fused=True`` on CUDA). Configs, each on a fresh
 model: bf16 under ``torch.compile``'s default (Inductor, torch's partitioner), graphpass FP8
@@ -74,7 +74,7 @@ def measure(label: str, options: dict[str, Any] | None, *, layers: int, size: st
     torch._dynamo.reset()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 GEMMs crawl
     codegen = "inductor" if device.type == "cuda" else "eager"
-    model, (x,) = importlib.import_module("examples.llama").build(
+    model, (x,) = importlib.import_module("graphpass.models.llama").build(
         size, layers=layers, device=device, dtype=dtype)
     try:
         backend = backend_for(options, model, codegen)

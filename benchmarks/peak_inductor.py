@@ -69,7 +69,7 @@ def measure(name: str, layers: int, seq: int, dtype: torch.dtype) -> tuple[int, 
     backend_module.run = capturing
     try:
         torch.manual_seed(0)
-        model, (x,) = importlib.import_module(f"examples.{name}").build(
+        model, (x,) = importlib.import_module(f"graphpass.models.{name}").build(
             "tiny", layers=layers, seq=seq, dtype=dtype)
         backend = graphpass.backend(codegen="inductor")
         step = torch.compile(lambda x: model(x).sum(), backend=backend)

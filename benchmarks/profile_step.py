@@ -45,7 +45,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
 
-    module = "_experts" if args.model == "experts" else f"examples.{args.model}"
+    module = "_experts" if args.model == "experts" else f"graphpass.models.{args.model}"
     model, inputs = importlib.import_module(module).build(
         "real", layers=1, device="cuda", dtype=torch.bfloat16)
     if args.default_backend:

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import graphpass  # noqa: E402
-from examples import deepseek  # noqa: E402
+from graphpass.models import deepseek  # noqa: E402
 from graphpass import pipeline  # noqa: E402
 
 POLICIES = {

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ lives in the repo root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # graphpass from a checkout
 import graphpass  # noqa: E402
 from graphpass.fp8 import providers  # noqa: E402
 
@@ -69,7 +69,7 @@ def run_config(model_name: str, label: str, options: dict[str, object] | None, s
     # A fresh model per config: the peak then counts this config's weights, grads and step only.
     torch._dynamo.reset()
     build = importlib.import_module(
-        "_experts" if model_name == "experts" else f"examples.{model_name}").build
+        "_experts" if model_name == "experts" else f"graphpass.models.{model_name}").build
     model, inputs = build(size, layers=layers, device=device, dtype=torch.bfloat16)
     try:
         backend = backend_for(options, model, codegen)

@@ -19,9 +19,9 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from .cli_flags import ConfigFlag, add_config_flags, config_flags, parse_policy, show
 from .config import Config
+from .models import MODELS as EXAMPLES
 from .report import Report, Snapshot, diff, format_bytes
 
-EXAMPLES = ("llama", "gpt", "deepseek")
 PLOT_INSTALL = "pip install 'graphpass[plot]'"
 # plan() traces without generating code, so its reports say so.
 PLAN_DEFAULTS = {"codegen": "eager"}
@@ -39,9 +39,9 @@ class _Parser(argparse.ArgumentParser):
 # -- models -------------------------------------------------------------------------------------
 
 def resolve_factory(model: str, tp: int | None = None) -> Callable[..., Any]:
-    """``llama`` -> ``examples.llama:build`` (``build_tp`` with ``tp``); ``pkg.mod:fn`` -> that
-    function."""
-    spec = f"examples.{model}:{'build_tp' if tp else 'build'}" if model in EXAMPLES else model
+    """``llama`` -> ``graphpass.models.llama:build`` (``build_tp`` with ``tp``); ``pkg.mod:fn``
+    -> that function."""
+    spec = f"graphpass.models.{model}:{'build_tp' if tp else 'build'}" if model in EXAMPLES else model
     if ":" not in spec:
         raise CLIError(
             f"unknown model {model!r}: use one of {', '.join(EXAMPLES)} or a factory "
@@ -53,9 +53,10 @@ def resolve_factory(model: str, tp: int | None = None) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        fix = ("run from the root of a graphpass source checkout, where examples/ lives"
-               if model in EXAMPLES else "check the module path and that it is importable from here")
-        raise CLIError(f"cannot import {module_name!r} for model {model!r} ({e}); {fix}") from None
+        if model in EXAMPLES:  # part of graphpass: an incomplete installation, not a user error
+            raise
+        raise CLIError(f"cannot import {module_name!r} for model {model!r} ({e}); check the module "
+                       "path and that it is importable from here") from None
     factory = getattr(module, attr, None)
     if tp and model in EXAMPLES and factory is None:
         raise CLIError(f"example {model!r} has no tensor-parallel plan (only llama's build_tp); "
@@ -221,9 +222,9 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="plan models under fake tensors and print what they save",
                        description="Plan models under fake tensors and print what they save for backward.")
     r.add_argument("--model", action="append",
-                   help=f"{', '.join(EXAMPLES)} or 'package.module:factory', a function accepting size= "
+                   help=f"{', '.join(EXAMPLES)} (graphpass.models) or 'package.module:factory', a function accepting size= "
                         "and returning (model, example_inputs); repeat for several (default llama)")
-    r.add_argument("--size", default="tiny", help="size passed to the factory: tiny or real for the examples "
+    r.add_argument("--size", default="tiny", help="size passed to the factory: tiny or real for the reference models "
                                                  "(default tiny)")
     r.add_argument("--layers", type=int, default=None, help="number of layers to build (passed as layers=)")
     r.add_argument("--tp", type=int, default=None, metavar="N",

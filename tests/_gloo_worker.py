@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import graphpass  # noqa: E402
-from examples import _common, llama  # noqa: E402
+from graphpass.models import _common, llama  # noqa: E402
 
 WORLD = 2
 STEPS = 3

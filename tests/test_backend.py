@@ -171,7 +171,7 @@ def test_dropout_under_eager_codegen_and_plan():
     """Inductor's random-op joint pass needs its virtualized fake mode outside compile_fx too."""
     import dataclasses
 
-    from examples import gpt
+    from graphpass.models import gpt
 
     model, (x,) = gpt.build("tiny")
     model = type(model)(dataclasses.replace(model.config, dropout=0.1))

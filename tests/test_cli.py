@@ -132,7 +132,7 @@ def test_plot_categories_come_from_kind_dtype_and_decision() -> None:
     (["report", "--fp8-min-gemm-flops", "lots"], "argument --fp8-min-gemm-flops: expected an integer, got 'lots'"),
     (["report", "--size", "huge"], "model 'llama': unknown size 'huge'; valid sizes: tiny, tiny_lm, real"),
     (["report", "--model", "graphpass.cli:main"], "factory 'graphpass.cli:main' must accept size="),
-    (["report", "--model", "examples.llama:nothing"], "'examples.llama' has no function 'nothing'"),
+    (["report", "--model", "graphpass.models.llama:nothing"], "'graphpass.models.llama' has no function 'nothing'"),
     (["diff", "missing.json", "missing.json"], "cannot read 'missing.json' (No such file or directory)"),
     (["diff", __file__, __file__], "is not one graphpass report"),
 ])

@@ -24,7 +24,7 @@ def _tool():
 
 def _planned_activations(options):
     sys.path.insert(0, str(ROOT))
-    from examples import llama
+    from graphpass.models import llama
 
     model, inputs = llama.build("tiny", layers=1, device="meta", dtype=torch.bfloat16)
     report = graphpass.plan(model, *inputs, config=graphpass.Config(**options))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphpass
-from examples import llama
+from graphpass.models import llama
 from graphpass.distributed import fake_process_group
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),

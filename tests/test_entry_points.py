@@ -69,7 +69,7 @@ def _reported(step):
 
 @pytest.mark.parametrize("name", ["llama", "gpt", "deepseek"])
 def test_every_entry_point_saves_the_same_bytes(name):
-    model, (x,) = importlib.import_module(f"examples.{name}").build("tiny", layers=1,
+    model, (x,) = importlib.import_module(f"graphpass.models.{name}").build("tiny", layers=1,
                                                                      dtype=torch.bfloat16)
     planned = graphpass.plan(model, x, config=CONFIG)
     assert planned.activation_bytes > 0

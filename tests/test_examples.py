@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples import MODELS
+from graphpass.models import MODELS
 
 
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"examples.{name}")
+    return importlib.import_module(f"graphpass.models.{name}")
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ def test_real_size_builds_on_meta(name: str) -> None:
 
 
 def test_real_config_values() -> None:
-    from examples import deepseek, gpt, llama
+    from graphpass.models import deepseek, gpt, llama
 
     ll = llama.SIZES["real"]
     assert (ll.hidden, ll.heads, ll.kv_heads, ll.head_dim, ll.ffn) == (4096, 32, 8, 128, 14336)
@@ -110,7 +110,7 @@ def test_real_size_traces_on_meta(name: str) -> None:
 
 
 def test_module_paths() -> None:
-    from examples import deepseek
+    from graphpass.models import deepseek
 
     names = {n: set(dict(_module(n).build("tiny")[0].named_parameters())) for n in MODELS}
     assert {
@@ -134,7 +134,7 @@ def test_module_paths() -> None:
 
 
 def test_build_options() -> None:
-    from examples import llama
+    from graphpass.models import llama
 
     model, (x,) = llama.build("tiny", layers=3, batch=1, seq=16, dtype=torch.float64)
     assert len(model.layers) == 3 and x.shape == (1, 16, 256) and x.dtype == torch.float64
@@ -149,7 +149,7 @@ def test_build_options() -> None:
 
 
 def test_gpt_zero_dropout_leaves_no_dropout_in_graph() -> None:
-    from examples import gpt
+    from graphpass.models import gpt
 
     def ops(dropout: float) -> set[str]:
         config = dataclasses.replace(gpt.SIZES["tiny"], layers=1, dropout=dropout)
@@ -169,7 +169,7 @@ def test_gpt_zero_dropout_leaves_no_dropout_in_graph() -> None:
 
 @pytest.mark.parametrize("capacity_factor", [1.0, 2.0])  # with / without dropped tokens
 def test_deepseek_moe_matches_per_token_reference(capacity_factor: float) -> None:
-    from examples import deepseek
+    from graphpass.models import deepseek
 
     config = dataclasses.replace(deepseek.SIZES["tiny"], capacity_factor=capacity_factor)
     torch.manual_seed(0)
@@ -201,7 +201,7 @@ def test_deepseek_moe_matches_per_token_reference(capacity_factor: float) -> Non
 
 
 def test_llama_tiny_lm_trains() -> None:
-    from examples import llama
+    from graphpass.models import llama
 
     model, (ids,) = llama.build("tiny_lm")
     assert ids.dtype == torch.long and model.output is not None

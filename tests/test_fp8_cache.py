@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import graphpass
-from examples import llama
+from graphpass.models import llama
 from graphpass.decisions import What
 from graphpass.fp8 import recipes
 from graphpass.fp8.cache import FORMATS, cache_dequantize, cache_quantize, error_bound
@@ -332,7 +332,7 @@ def test_every_saved_activation_is_cached_or_named_in_a_note(model):
     2.14 ``mul_12``) and, on 2.11/2.13, saves its output exact (``mul_10``): notes, not silence."""
     import importlib
 
-    module = importlib.import_module(f"examples.{model}")
+    module = importlib.import_module(f"graphpass.models.{model}")
     net, inputs = module.build("tiny", layers=1, seq=64)
     report = graphpass.plan(net, *inputs, config=graphpass.Config(fp8_cache="all",
                                                                   fp8_cache_min_bytes=0))

@@ -8,7 +8,7 @@ import torch
 
 import graphpass
 from benchmarks import memory
-from examples import llama
+from graphpass.models import llama
 
 
 def _plans(fmt="e4m3_1x128_pow2"):

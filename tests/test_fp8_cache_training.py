@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import graphpass
-from examples import llama, train
+from examples import train
+from graphpass.models import llama
 
 STEPS = 5
 

@@ -15,7 +15,7 @@ from graphpass.graph.ops import GEMM_OPS
 from graphpass.report.coverage import coverage_lines
 from graphpass.graph.nodes import module_path, op_name
 from graphpass.report import Report
-from examples import deepseek, gpt, llama
+from graphpass.models import deepseek, gpt, llama
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 FP8 = {"graphpass.fp8_gemm", "aten._scaled_mm", "aten._scaled_grouped_mm"}

@@ -1,5 +1,5 @@
 """FP8 lowering of grouped expert GEMMs: ``bmm`` over a 3-D [experts, in, out] weight
-(capacity-style MoE, examples/deepseek.py)."""
+(capacity-style MoE, graphpass/models/deepseek.py)."""
 
 import re
 
@@ -24,7 +24,7 @@ E, C, K, N = 4, 128, 256, 128  # experts, capacity (tokens per expert), in, out
 
 
 class Experts(nn.Module):
-    """One GEMM per expert over an (E, C, in) buffer, as examples.deepseek.Experts."""
+    """One GEMM per expert over an (E, C, in) buffer, as graphpass.models.deepseek.Experts."""
 
     def __init__(self):
         super().__init__()
@@ -117,7 +117,7 @@ def test_memory_passes_on_fp8_experts_are_bit_identical(recipe):
     """save-original, moe_act/moe recompute, the planner and offload move FP8 expert tensors
     around, never change a gradient bit. seq=128 gives an expert capacity of 128 tokens, which
     blockwise needs."""
-    from examples import deepseek
+    from graphpass.models import deepseek
     from test_memory_passes import POLICIES, UNOPTIMISED, _compiled_grads
 
     base, report = _compiled_grads(deepseek, dict(fp8=recipe, **UNOPTIMISED), seq=128, layers=1)
@@ -743,9 +743,9 @@ def test_quantize_before_dispatch_is_bit_identical(recipe, monkeypatch):
 
 
 def test_quantize_before_dispatch_on_deepseek_is_bit_identical(monkeypatch):
-    """The capacity-style dispatch of examples/deepseek.py (index_select into (E, C, hidden),
+    """The capacity-style dispatch of graphpass/models/deepseek.py (index_select into (E, C, hidden),
     bmm experts): re-gathered, gradients bit-identical."""
-    from examples import deepseek
+    from graphpass.models import deepseek
     from test_memory_passes import _compiled_grads
 
     cfg = dict(fp8="tensorwise", memory="default")

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import graphpass
 from graphpass import _compat
 from graphpass.fp8 import providers, recipes, torch_gemms
-from examples import deepseek, gpt, llama
+from graphpass.models import deepseek, gpt, llama
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8", "rowwise")
 # Relative error (Frobenius) of FP8 vs fp32 on N(0, 1) data with K = 256: E4M3 keeps 3
@@ -852,7 +852,7 @@ def test_expert_roofline_by_hand():
 
 class _BmmExperts(nn.Module):
     """SwiGLU experts as 3-D [experts, in, out] weights applied by ``bmm`` to an (experts,
-    capacity, hidden) buffer (examples/deepseek.py's form), on ``meta``."""
+    capacity, hidden) buffer (graphpass/models/deepseek.py's form), on ``meta``."""
 
     def __init__(self, experts, hidden, inter):
         super().__init__()

@@ -553,7 +553,7 @@ def test_rowwise_lowers_every_gemm_tensorwise_lowers(name):
     Face Mixtral (bf16, torch._grouped_mm experts), with nothing excluded: the same linears
     lowered, the same FP8 FLOPs."""
     if name == "deepseek":
-        from examples import deepseek
+        from graphpass.models import deepseek
 
         model, inputs = deepseek.build("tiny", seq=64)
     else:

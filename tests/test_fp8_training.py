@@ -8,7 +8,8 @@ import torch
 from _session import once
 
 import graphpass
-from examples import llama, train
+from examples import train
+from graphpass.models import llama
 
 STEPS = 200
 
@@ -66,7 +67,7 @@ def ds_data():
 
 
 def _deepseek_final_loss(data, fp8):
-    from examples import deepseek
+    from graphpass.models import deepseek
 
     torch._dynamo.reset()
     model, _ = deepseek.build("tiny_lm", seq=128, layers=1)

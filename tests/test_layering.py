@@ -15,8 +15,9 @@ ROOT = Path(graphpass.__file__).parent
 # Lowest first. A module may import modules of its own layer and of the layers below it. A
 # dotted name places one module apart from its package: the FP8 recipes (the Recipe identity
 # that Config's options derive, and its numerics) import nothing of graphpass's.
+# The reference models (``models``) are plain PyTorch: they import nothing of graphpass's.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_version", "_compat", "fp8.recipes", "config", "decisions", "paths"),
+    ("_version", "_compat", "fp8.recipes", "config", "decisions", "paths", "models"),
     ("report",),
     ("fp8", "graph"),
     ("passes",),

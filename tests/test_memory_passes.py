@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import graphpass
 from graphpass import _compat
-from examples import deepseek, gpt, llama
+from graphpass.models import deepseek, gpt, llama
 
 UNOPTIMISED = dict(save_original="never", memory="default")  # TE-style FP8 + torch's min-cut
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphpass
-from examples import deepseek, gpt, llama
+from graphpass.models import deepseek, gpt, llama
 
 MODELS = {"llama": llama, "gpt": gpt, "deepseek": deepseek}
 
@@ -52,7 +52,7 @@ def test_plan_equals_real_compile(name):
 _PLAN_REAL = textwrap.dedent(
     """
     import json, resource, time, graphpass
-    from examples import llama
+    from graphpass.models import llama
     start = time.perf_counter()
     model, inputs = llama.build("real")
     report = graphpass.plan(model, *inputs)

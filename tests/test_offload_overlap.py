@@ -222,7 +222,7 @@ def test_copy_schedule_by_hand():
 
 def _tiny_llama_step(**options):
     import graphpass
-    from examples import llama
+    from graphpass.models import llama
 
     torch._dynamo.reset()
     model, (x,) = llama.build("tiny", layers=2, seq=64)

@@ -18,7 +18,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import graphpass
-from examples import deepseek, gpt, llama
+from graphpass.models import deepseek, gpt, llama
 from graphpass.decisions import What
 from graphpass.passes.memory_budget import GREEDY_MISSES, MAX_PRUNE
 from graphpass.report import format_bytes

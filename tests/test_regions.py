@@ -201,7 +201,7 @@ def test_a_cache_level_that_finds_nothing_warns():
 def test_every_word_finds_its_part_of_a_deepseek_layer(dtype, fp8):
     """MLA, MoE with shared experts: every word finds something, in bf16 (the norms' outputs are
     casts) and under FP8 lowering (the GEMMs are fp8_gemm, their operands quantizes)."""
-    from examples import deepseek
+    from graphpass.models import deepseek
     from graphpass.graph.nodes import module_path
     from graphpass.graph.regions import Regions
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import graphpass
-from examples import MODELS, llama
+from graphpass.models import MODELS, llama
 from graphpass import Config, Decision, Report, Row, What
 from graphpass.testing import (
     Snapshot,
@@ -37,7 +37,7 @@ pytest_plugins = ["pytester"] + ([] if INSTALLED else ["graphpass.testing.plugin
 
 
 def _plan(name: str) -> Report:
-    model, inputs = importlib.import_module(f"examples.{name}").build("tiny")
+    model, inputs = importlib.import_module(f"graphpass.models.{name}").build("tiny")
     return graphpass.plan(model, *inputs, config=Config(codegen="eager"))
 
 

@@ -1,4 +1,4 @@
-"""Pieces shared by the example models: rotary embeddings, SwiGLU MLP and build()."""
+"""Pieces shared by the reference models: rotary embeddings, SwiGLU MLP and build()."""
 
 from __future__ import annotations
 
