@@ -53,7 +53,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile requirements/torch-$(TORCH).txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt -e ".[test,docs]"
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps $(TITAN)
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt $(TITAN_DEPS)
 	touch $@
