@@ -11,6 +11,7 @@ from .config import FP8, ActivationCache, Config, MemoryPlan, Offload, Recompute
 from .decisions import Decision, OpaqueOpWarning, What
 from .job.estimate import estimate
 from .job.result import JobEstimate
+from .fp8.fsdp import FSDPFP8Warning, fsdp_fp8_weights, precompute_fsdp_fp8_scales
 from .fp8.weight_cache import clear as clear_weight_cache, stats as weight_cache_stats
 from .pipeline import partition
 from .reporting import last_report
@@ -23,6 +24,6 @@ from .named import register as _register
 _register()
 
 __all__ = ["ActivationCache", "backend", "clear_weight_cache", "Config", "Decision",
-           "EmptySelectionWarning", "estimate", "FP8", "JobEstimate", "MemoryPlan", "Offload", "OpaqueOpWarning",
-           "partition", "plan",
+           "EmptySelectionWarning", "estimate", "FP8", "FSDPFP8Warning", "fsdp_fp8_weights", "JobEstimate", "MemoryPlan", "Offload", "OpaqueOpWarning",
+           "partition", "plan", "precompute_fsdp_fp8_scales",
            "last_report", "Recompute", "Report", "Row", "weight_cache_stats", "What", "__version__"]

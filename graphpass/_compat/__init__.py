@@ -33,8 +33,8 @@ fails loudly in one module instead of silently elsewhere.
 
 from __future__ import annotations
 
-from .distributed import (dtensor_from_local, dtensor_local, fake_store, functional_collective,
-                          is_dtensor)
+from .distributed import (dtensor_from_local, dtensor_local, fake_store,
+                          fsdp_all_gather_extension, functional_collective, is_dtensor)
 from .dynamo import (aot_autograd, backend_value_error, compile_id, compiled_frame,
                      fake_tensor_mode, frame_scopes, frame_varargs, fsdp_managed_input,
                      placeholder_source, register_backend, unlimited_recompiles)
@@ -43,8 +43,9 @@ from .inductor import (compile_fx, control_dependencies, custom_graph_pass_base,
                        inductor_lowering_tables, inductor_partition_fn, inductor_pattern_matcher,
                        register_persistent_outputs, remove_noop_ops)
 from .inductor_cpp import guard_cpp_bf16_transpose, guard_cpp_loop_split
-from .ops import (has_storage, is_higher_order, is_non_overlapping_and_dense, is_op_overload,
-                  op_name, storage_id, tensor_metadata, tree_leaves)
+from .ops import (DISABLED_TORCH_FUNCTION, has_storage, is_higher_order,
+                  is_non_overlapping_and_dense, is_op_overload, op_name, storage_id,
+                  tensor_metadata, tree_leaves, tree_map)
 from .partitioner import min_cut_dumps, min_cut_failure, min_cut_partition, min_cut_settings
 from .partitioner_patch import MinCutDumps
 from .versions import (INDUCTOR_REALIZE_HEAVY_OPS, TORCH_VERSION, TORCH_VERSION_STR,
@@ -52,19 +53,19 @@ from .versions import (INDUCTOR_REALIZE_HEAVY_OPS, TORCH_VERSION, TORCH_VERSION_
                        flop_formula, inductor_rounds_fused_casts, is_rng_op, size_hint)
 
 __all__ = [
-    "INDUCTOR_REALIZE_HEAVY_OPS", "MinCutDumps", "TORCH_VERSION", "TORCH_VERSION_STR",
+    "DISABLED_TORCH_FUNCTION", "INDUCTOR_REALIZE_HEAVY_OPS", "MinCutDumps", "TORCH_VERSION", "TORCH_VERSION_STR",
     "UNBACKED_SIZE_HINT", "aot_autograd", "assumed_sizes", "assumed_sizes_why",
     "backend_value_error", "compile_fx", "compile_id", "compiled_frame", "control_dependencies",
     "cuda_version",
     "custom_graph_pass_base", "custom_partitioner_base", "dtensor_from_local", "dtensor_local",
     "fake_store", "fake_tensor_mode", "flop_formula", "frame_scopes", "frame_varargs",
-    "fsdp_managed_input",
+    "fsdp_all_gather_extension", "fsdp_managed_input",
     "functional_collective", "guard_cpp_bf16_transpose", "guard_cpp_loop_split", "has_storage",
     "inductor_config", "inductor_decompositions", "inductor_lowering_tables",
     "inductor_partition_fn", "inductor_pattern_matcher", "inductor_rounds_fused_casts",
     "is_dtensor", "is_higher_order", "is_non_overlapping_and_dense", "is_op_overload",
     "is_rng_op", "min_cut_dumps", "min_cut_failure", "min_cut_partition", "min_cut_settings",
     "op_name", "placeholder_source", "register_backend", "register_persistent_outputs",
-    "remove_noop_ops", "size_hint", "storage_id", "tensor_metadata", "tree_leaves",
+    "remove_noop_ops", "size_hint", "storage_id", "tensor_metadata", "tree_leaves", "tree_map",
     "unlimited_recompiles",
 ]

@@ -44,3 +44,13 @@ def functional_collective(name: str) -> Any:
     """torch's functional collective op ``name`` (``all_reduce``, ``wait_tensor``), default
     overload: what DTensor's collectives trace into."""
     return getattr(torch.ops._c10d_functional, name).default
+
+
+def fsdp_all_gather_extension() -> bool:
+    """Whether this torch's FSDP2 calls a parameter shard's ``fsdp_pre_all_gather`` /
+    ``fsdp_post_all_gather`` (its all-gather extension: 2.11 through 2.15 have it)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:
+        return False
+    return hasattr(FSDPParam, "_init_extensions")

@@ -57,3 +57,15 @@ def tensor_metadata(val: torch.Tensor) -> Any:
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
     return _extract_tensor_metadata(val)
+
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    """torch's pytree map (``torch.utils._pytree.tree_map``)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
+# A tensor subclass's ``__torch_function__`` that lets torch functions reach its
+# ``__torch_dispatch__`` (the wrapper subclasses' idiom).
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl

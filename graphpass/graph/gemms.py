@@ -20,7 +20,7 @@ from .. import _compat
 from ..decisions import facts
 from ..report.coverage import PHASES, with_share
 from .flops import node_flops
-from .joint import primals as primals_of
+from .joint import gradients, primals as primals_of
 from .nodes import is_backward, module_path, op_name
 from .ops import FP8_GEMMS, GATHERS, GEMM_OPS, LIBRARY_GEMMS, PASS_THROUGH, SCATTERS
 
@@ -188,7 +188,7 @@ def _weight_gradient_gemms(joint: fx.GraphModule) -> set[fx.Node]:
     operand (B) of a forward GEMM. The joint graph returns one gradient per primal, last."""
     primals = primals_of(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
-    grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
+    grad_of = gradients(joint)
     weights = set()
     for node in joint.graph.nodes:
         if is_gemm(node) and not is_backward(node):

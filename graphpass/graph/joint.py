@@ -64,6 +64,27 @@ def primals(joint: fx.GraphModule) -> list[fx.Node]:
     return [n for n in joint.graph.find_nodes(op="placeholder") if not is_tangent(n)]
 
 
+# The meta key of a primal that is the scale of a weight FSDP2 all-gathered in FP8.
+FSDP_FP8_SCALE = "graphpass_fsdp_fp8_scale"
+
+
+def is_fsdp_fp8_scale(node: fx.Node) -> bool:
+    """The scale of a weight FSDP2 all-gathered in FP8 (``fp8/fsdp.py``): the second input of
+    ``graphpass::fsdp_fp8_weight``, or marked so by ``passes/fsdp_fp8_weights.py``."""
+    return bool(node.meta.get(FSDP_FP8_SCALE)) or any(
+        str(u.target) == "graphpass.fsdp_fp8_weight.default" and u.args[1] is node
+        for u in node.users)
+
+
+def gradients(joint: fx.GraphModule) -> dict[fx.Node, Any]:
+    """Each primal's gradient output. The joint graph returns one gradient per input, last; a
+    weight FSDP2 all-gathers in FP8 is two primals (its FP8 data and its scale, a tensor
+    subclass flattened) with one plain gradient, the weight's: the data's."""
+    inputs = [p for p in primals(joint) if not is_fsdp_fp8_scale(p)]
+    outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
+    return dict(zip(inputs, outputs[len(outputs) - len(inputs):]))
+
+
 def _input_descriptors(primals: list[fx.Node]) -> list[Any] | None:
     """Each primal's input descriptor walked down to the input it came from (through a tensor
     subclass's attributes: from torch 2.13 a DTensor input becomes two primals, its

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .joint import primals as primals_of
+from .joint import gradients, primals as primals_of
 from .nodes import is_backward, module_path, op_name
 from .ops import CASTS, COLLECTIVE_GATHERS, COLLECTIVE_WAITS, TRANSPOSES
 
@@ -134,7 +134,7 @@ def find_linears(joint: fx.GraphModule) -> list[Linear]:
     # returns (forward outputs..., one gradient per primal), so gradients are the last outputs.
     primals = primals_of(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
-    grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
+    grad_of = gradients(joint)
     for lin in linears:
         grad = grad_of.get(lin.weight)
         # a weight shared with another use (GPT-2's lm_head tied to the embedding) gets the sum
@@ -224,7 +224,7 @@ def find_grouped(joint: fx.GraphModule) -> list[Linear]:
 
     primals = primals_of(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
-    grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
+    grad_of = gradients(joint)
     for lin in found:
         grad = grad_of.get(lin.weight)
         base = _uncast(grad) if isinstance(grad, fx.Node) else None
@@ -291,7 +291,7 @@ def find_grouped_offsets(joint: fx.GraphModule) -> list[Linear]:
 
     primals = primals_of(joint)
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
-    grad_of = dict(zip(primals, outputs[len(outputs) - len(primals):]))
+    grad_of = gradients(joint)
     for lin in found:
         grad = grad_of.get(lin.weight)
         if not isinstance(grad, fx.Node):

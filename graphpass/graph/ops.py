@@ -10,7 +10,8 @@ VIEWS = frozenset({
     "aten.expand", "aten.slice", "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.alias",
     "aten.as_strided", "aten.split", "aten.unbind", "aten.diagonal",
 })
-CASTS = frozenset({"prims.convert_element_type", "aten._to_copy"})
+# (and the value of a weight FSDP2 all-gathered in FP8, which is its data: fp8/fsdp.py)
+CASTS = frozenset({"prims.convert_element_type", "aten._to_copy", "graphpass.fsdp_fp8_weight"})
 TRANSPOSES = frozenset({"aten.permute", "aten.t"})
 # Results holding their input's data, element for element: views, copies and re-layouts (a saved
 # FP8 copy's original is found through them).

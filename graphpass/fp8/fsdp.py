@@ -1,0 +1,398 @@
+"""FSDP2's weight all-gathers in FP8, through FSDP2's all-gather extension.
+
+``graphpass.fsdp_fp8_weights(model, config)``, called before ``fully_shard``, puts each weight
+graphpass will lower in a :class:`FP8GatherShard`: a wrapper of the high-precision tensor that
+behaves as it everywhere (the optimizer, ``state_dict``, FSDP's sharding) and defines
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, which FSDP2 calls around its all-gather:
+
+    pre:   x    = the shard in the parameter dtype (MixedPrecisionPolicy.param_dtype)
+           amax = the whole weight's amax (max over the shards: one all-reduce for all weights,
+                  precompute_fsdp_fp8_scales, or this weight's own)
+           data = quantize_amax(x, amax)          graphpass's tensorwise quantize, E4M3
+           the all-gather moves data's bytes (uint8), half a bf16 all-gather's
+    post:  FP8GatheredWeight(data, scale_inv)     what the module's forward reads
+
+The max of the shards' amaxes is the whole weight's amax, and tensorwise quantization is
+elementwise under one scale, so the gathered bytes and scale are the bits quantizing the gathered
+weight gives. The compiled block receives them as two graph inputs (AOTAutograd flattens the
+wrapper subclass); the weight's value in the traced graph is ``graphpass::fsdp_fp8_weight(data,
+scale_inv)``, and ``passes/fsdp_fp8_weights.py`` gives the FP8 GEMMs the gathered data and scale
+in place of the quantizes of that value (the columnwise copy is the data transposed). The graph
+never reads the dequantized value: a weight that anything else reads is a clear error at compile
+time, and an uncompiled forward that reads it raises.
+
+Scales: the amaxes are read after the optimizer step. ``precompute_fsdp_fp8_scales(model)``
+reduces all of them in one all-reduce (max) per data-parallel group, as torchao's precompute
+does; a weight whose shard changed since (its version counter moved: the call was forgotten)
+reduces its own amax in its pre-all-gather, correct but one all-reduce per weight, with a
+warning once. Never a stale scale.
+
+Only tensorwise scaling: a rowwise or blockwise weight's scales depend on rows or blocks that
+FSDP's dim-0 shard may cut, and ``fsdp_fp8_weights`` wraps nothing for them (a warning says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+from .. import _compat
+from . import ops, recipes
+
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FSDPFP8Warning(UserWarning):
+    """What graphpass's FSDP2 FP8 all-gather does not do for an input (it gathers bf16 there)."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, FSDPFP8Warning, stacklevel=3)
+
+
+@dataclasses.dataclass
+class _State:
+    """One wrapped weight: its name, recipe, and the amax of its last reduction."""
+
+    name: str
+    recipe: str
+    amax: Tensor | None = None
+    version: int | None = None  # the shard's version counter when ``amax`` was reduced
+    reduced_alone: bool = False
+    param: Any = None  # a weakref to the sharded parameter (its version counter)
+    fallback: str | None = None  # why this weight gathers in high precision (set at its first gather)
+    rows: int = 0  # the whole weight's rows (FSDP2 shards dim 0)
+    param_dtype: torch.dtype | None = None  # the dtype FSDP2 gathers (its MixedPrecisionPolicy)
+
+
+# ---------------------------------------------------------------------------------------------
+# The graph's view of a gathered FP8 weight.
+
+@torch.library.custom_op("graphpass::fsdp_fp8_weight", mutates_args=())
+def fsdp_fp8_weight(data: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """The value of a weight FSDP2 gathered in FP8, as the traced graph names it. The partition
+    replaces every read of it by the gathered data and scale; it is never computed."""
+    raise RuntimeError(
+        "graphpass: a weight all-gathered in FP8 by FSDP2 (graphpass.fsdp_fp8_weights) was read "
+        "outside a graph compiled by graphpass with fp8='tensorwise': only graphpass's FP8 GEMMs "
+        "read the gathered FP8 bytes; compile the module with torch.compile(backend="
+        "graphpass.backend(fp8='tensorwise')), or build the model without fsdp_fp8_weights")
+
+
+@fsdp_fp8_weight.register_fake
+def _(data: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    return data.new_empty(data.shape, dtype=dtype)
+
+
+FSDP_FP8_WEIGHT = torch.ops.graphpass.fsdp_fp8_weight.default
+
+
+class FP8GatheredWeight(Tensor):
+    """A weight after FSDP2's FP8 all-gather: the E4M3 data of the whole weight and its scale
+    (``scale_inv``, fp32, shape ()), with the parameter dtype and shape outside. Traceable:
+    AOTAutograd passes ``data`` and ``scale_inv`` as graph inputs."""
+
+    @staticmethod
+    def __new__(cls, data: Tensor, scale_inv: Tensor, dtype: torch.dtype,
+                requires_grad: bool = False) -> "FP8GatheredWeight":
+        return Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
+                                             storage_offset=data.storage_offset(), dtype=dtype,
+                                             device=data.device, requires_grad=requires_grad)
+
+    def __init__(self, data: Tensor, scale_inv: Tensor, dtype: torch.dtype,
+                 requires_grad: bool = False) -> None:
+        self._data = data
+        self._scale_inv = scale_inv
+
+    def __repr__(self) -> str:
+        return (f"FP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"data={self._data.dtype})")
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_data", "_scale_inv"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], dtype: torch.dtype, outer_size: Any,
+                             outer_stride: Any) -> "FP8GatheredWeight":
+        return FP8GatheredWeight(inner["_data"], inner["_scale_inv"], dtype)
+
+    __torch_function__ = _compat.DISABLED_TORCH_FUNCTION
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _ALIASES:  # FSDP's own handling of the unsharded parameter: the same bytes
+            (w, *rest) = args
+            return FP8GatheredWeight(func(w._data, *rest, **kwargs), w._scale_inv, w.dtype)
+        # Anything else reads the weight's value: in a graph graphpass partitions, its FP8
+        # GEMMs read the data and scale instead (passes/fsdp_fp8_weights.py).
+        def value(t: Any) -> Any:
+            if isinstance(t, FP8GatheredWeight):
+                return FSDP_FP8_WEIGHT(t._data, t._scale_inv, t.dtype)
+            return t
+        return func(*_compat.tree_map(value, args), **_compat.tree_map(value, kwargs))
+
+
+_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.as_strided.default,
+            torch.ops.aten.alias.default}
+
+
+# ---------------------------------------------------------------------------------------------
+# The sharded weight.
+
+class FP8GatherShard(Tensor):
+    """A weight (and, after ``fully_shard``, its shard) that FSDP2 all-gathers in FP8: the
+    high-precision tensor ``_tensor`` wrapped, every op on it run on ``_tensor`` (the ops FSDP2
+    uses to shard and copy it give a wrapped result, so the shard stays one of these)."""
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor, state: _State) -> "FP8GatherShard":
+        return Tensor._make_wrapper_subclass(cls, tensor.shape, strides=tensor.stride(),
+                                             storage_offset=tensor.storage_offset(),
+                                             dtype=tensor.dtype, device=tensor.device,
+                                             requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: Tensor, state: _State) -> None:
+        self._tensor = tensor
+        self._state = state
+
+    def __repr__(self) -> str:
+        return f"FP8GatherShard({self._tensor!r}, name={self._state.name!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_tensor"], self._state
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], state: _State, outer_size: Any,
+                             outer_stride: Any) -> "FP8GatherShard":
+        return FP8GatherShard(inner["_tensor"], state)
+
+    __torch_function__ = _compat.DISABLED_TORCH_FUNCTION
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        state = next(a._state for a in _flat(args, kwargs) if isinstance(a, FP8GatherShard))
+        out = func(*_compat.tree_map(_unwrap, args), **_compat.tree_map(_unwrap, kwargs))
+        if func.overloadpacket not in _PRESERVE:
+            return out
+        return _compat.tree_map(lambda t: FP8GatherShard(t, state) if isinstance(t, Tensor)
+                        and t.dtype in _HIGH_PRECISION else t, out)
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: Any,
+                            module: torch.nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
+        state = self._state
+        state.rows = outer_size[0]
+        dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
+        state.param_dtype = dtype
+        shard = self._tensor.to(dtype)
+        if state.fallback is None and dtype not in _HIGH_PRECISION:
+            state.fallback = (f"MixedPrecisionPolicy(param_dtype={dtype}): graphpass quantizes "
+                              "a float32, bfloat16 or float16 weight")
+        if state.fallback is not None:
+            _warn_once(f"graphpass fsdp_fp8_weights: {state.name} is all-gathered in {dtype}, "
+                       f"not FP8: {state.fallback}")
+            return (_padded(shard, outer_size, mesh),), None
+        amax = _amax_now(self, mesh, dtype, module)
+        data, scale_inv = ops.QUANTIZE_AMAX(shard, amax, state.recipe, "weight")
+        data = data.view(torch.uint8).view(shard.shape)
+        return (_padded(data, outer_size, mesh),), (scale_inv, recipes.fp8_dtype(
+            state.recipe, "weight"), dtype)
+
+    def fsdp_post_all_gather(self, outputs: tuple[Tensor, ...], metadata: Any,
+                             param_dtype: torch.dtype, *, out: Tensor | None = None) -> Any:
+        (gathered,) = outputs
+        rows = self._state.rows
+        if metadata is None:  # gathered in high precision
+            full = gathered[:rows]
+            if out is not None:
+                return None
+            return full, (gathered,)
+        scale_inv, fp8, dtype = metadata
+        data = gathered[:rows].view(fp8)
+        if out is not None:
+            out._scale_inv = scale_inv
+            return None
+        return FP8GatheredWeight(data, scale_inv, dtype), (gathered,)
+
+
+_PRESERVE = {torch.ops.aten.split, torch.ops.aten.split_with_sizes, torch.ops.aten.chunk,
+             torch.ops.aten.view, torch.ops.aten.as_strided, torch.ops.aten.slice,
+             torch.ops.aten.narrow, torch.ops.aten.clone, torch.ops.aten.detach,
+             torch.ops.aten.alias, torch.ops.aten.copy_, torch.ops.aten.empty_like,
+             torch.ops.aten.new_zeros, torch.ops.aten.new_empty, torch.ops.aten._to_copy,
+             torch.ops.aten.contiguous, torch.ops.aten.zeros_like, torch.ops.aten.t,
+             torch.ops.aten.transpose, torch.ops.aten.reshape, torch.ops.aten._unsafe_view,
+             torch.ops.aten.cat, torch.ops.aten.expand, torch.ops.aten.clone}
+
+
+def _flat(args: Any, kwargs: Any) -> list[Any]:
+    return _compat.tree_leaves((args, kwargs))
+
+
+def _unwrap(t: Any) -> Any:
+    return t._tensor if isinstance(t, FP8GatherShard) else t
+
+
+def _padded(t: Tensor, outer_size: torch.Size, mesh: Any) -> Tensor:
+    """``t`` padded with zero rows to FSDP's padded shard size (dim 0, ceil(rows / world))."""
+    world = mesh.size()
+    rows = -(-outer_size[0] // world)
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
+    return torch.cat([t, pad]) if t.shape[0] else pad
+
+
+def _version(shard: FP8GatherShard, module: torch.nn.Module | None) -> int:
+    """The version counter of the parameter whose local shard ``shard`` is (the sharded
+    DTensor's: an optimizer step, ``load_state_dict`` or an in-place edit moves it; the
+    shard's own does not, as the DTensor writes it below autograd)."""
+    state = shard._state
+    param = state.param() if state.param is not None else None
+    if param is None and module is not None:
+        param = next((p for p in module.parameters()
+                      if getattr(p, "_local_tensor", None) is shard), None)
+        if param is not None:
+            state.param = weakref.ref(param)
+    if param is None:
+        raise RuntimeError(f"graphpass fsdp_fp8_weights: {state.name}'s sharded parameter was "
+                           "not found: is the model sharded with fully_shard?")
+    return param._version
+
+
+def _amax_now(shard: FP8GatherShard, mesh: Any, dtype: torch.dtype,
+              module: torch.nn.Module | None) -> Tensor:
+    state = shard._state
+    version = _version(shard, module)
+    if state.amax is not None and state.version == version:
+        return state.amax
+    if state.version is not None:
+        _warn_once("graphpass fsdp_fp8_weights: a weight changed since its amax was reduced "
+                   "(graphpass.precompute_fsdp_fp8_scales(model) not called after "
+                   "optimizer.step()?): each such weight's amax is all-reduced on its own before "
+                   "its all-gather, correct but one all-reduce per weight")
+    amax = _local_amax(shard._tensor, dtype).reshape(1)
+    torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+    state.amax, state.version, state.reduced_alone = amax[0], version, True
+    return state.amax
+
+
+def _local_amax(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """This rank's amax of ``t`` in the gathered dtype (an empty shard: 0)."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    return ops.AMAX(t.to(dtype))
+
+
+def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
+    """After ``optimizer.step()``: the amax of every weight ``fsdp_fp8_weights`` wrapped,
+    reduced (max) over its data-parallel group in one all-reduce per group, kept for the next
+    all-gathers. Returns how many weights. A weight that changes after this call reduces its
+    own amax again before its all-gather (with a warning), so a late or forgotten call costs
+    all-reduces, never a stale scale."""
+    groups: dict[Any, list[tuple[FP8GatherShard, torch.dtype]]] = {}
+    p_version: dict[int, int] = {}
+    for p in model.parameters():
+        local = getattr(p, "_local_tensor", p)
+        if not isinstance(local, FP8GatherShard) or local._state.fallback is not None:
+            continue
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            raise ValueError("graphpass.precompute_fsdp_fp8_scales: the model's FP8-gathered "
+                             "weights are not sharded yet: call it after fully_shard (and "
+                             "after each optimizer.step())")
+        dtype = local._state.param_dtype or local.dtype
+        if local._state.param is None:
+            local._state.param = weakref.ref(p)
+        p_version[id(local)] = p._version
+        groups.setdefault(mesh.get_group(), []).append((local, dtype))
+    for group, shards in groups.items():
+        amaxes = torch.stack([_local_amax(s._tensor, d) for s, d in shards])
+        torch.distributed.all_reduce(amaxes, torch.distributed.ReduceOp.MAX, group=group)
+        for (shard, _), amax in zip(shards, amaxes):
+            state = shard._state
+            state.amax, state.version, state.reduced_alone = amax, p_version[id(shard)], False
+    return sum(len(s) for s in groups.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Wrapped:
+    """What ``fsdp_fp8_weights`` did: the weights it wrapped, and each weight it left in the
+    parameter dtype with the reason."""
+
+    fp8: tuple[str, ...]
+    kept: tuple[tuple[str, str], ...]
+
+    def __str__(self) -> str:
+        lines = [f"FP8 all-gather: {len(self.fp8)} weights"]
+        lines += [f"  {name}: {why}" for name, why in self.kept]
+        return "\n".join(lines)
+
+
+def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
+    """Before ``fully_shard``: wrap the weight of each ``nn.Linear`` that graphpass will lower
+    under ``config`` so that FSDP2 all-gathers it in FP8 (module docstring). Left in the
+    parameter dtype, each with its reason (returned, and warned): linears ``fp8_exclude``
+    names (the output head by default), weights that are not 2-D floating-point tensors, every
+    weight when the recipe is not tensorwise, when ``fp8_weight_all_gather`` is off, or when
+    this torch's FSDP2 has no all-gather extension."""
+    from ..config import given
+
+    config = given(config)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    every = None
+    if config.recipe is None:
+        every = "FP8 is off (fp8=None)"
+    elif not config.fp8_weight_all_gather:
+        every = "fp8_weight_all_gather=False"
+    elif not config.recipe.per_tensor:
+        every = (f"fp8={config.fp8!r}: its scales are per row or block of the weight, which "
+                 "FSDP2's row shards may cut; the FP8 all-gather is for tensorwise scaling "
+                 "(docs/distributed.md)")
+    elif not _compat.fsdp_all_gather_extension():
+        every = f"torch {torch.__version__}'s FSDP2 has no all-gather extension"
+    kept: list[tuple[str, str]] = []
+    fp8: list[str] = []
+    for name, module in linears:
+        w = module.weight
+        why = every or _why_not(name, w, config)
+        if why is None and getattr(w, "_local_tensor", None) is not None or type(w).__name__ == "DTensor":
+            raise ValueError(f"graphpass.fsdp_fp8_weights: {name}.weight is sharded already: "
+                             "call it before fully_shard")
+        if why is not None:
+            kept.append((f"{name}.weight", why))
+            continue
+        if isinstance(w, FP8GatherShard):
+            fp8.append(f"{name}.weight")
+            continue
+        state = _State(f"{name}.weight", config.fp8_recipe)
+        module.weight = torch.nn.Parameter(FP8GatherShard(w.detach(), state),
+                                           requires_grad=w.requires_grad)
+        fp8.append(f"{name}.weight")
+    result = Wrapped(tuple(fp8), tuple(kept))
+    if every is not None and linears:
+        _warn_once(f"graphpass fsdp_fp8_weights: no weight is all-gathered in FP8: {every}")
+    for name, why in kept if every is None else ():
+        _warn_once(f"graphpass fsdp_fp8_weights: {name} is all-gathered in its dtype: {why}")
+    return result
+
+
+def _why_not(name: str, w: Tensor, config: Any) -> str | None:
+    for pattern in config.fp8_exclude:
+        parts = name.split(".")
+        if any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts))):
+            return f"excluded by fp8_exclude pattern {pattern!r}"
+    if w.dim() != 2 or w.dtype not in _HIGH_PRECISION:
+        return f"a {w.dim()}-D {w.dtype} weight: graphpass lowers 2-D float weights"
+    return None
