@@ -24,7 +24,9 @@ PY     := $(VENV)/bin/python
 # torchtitan (tests/test_trainer_torchtitan.py) without its declared dependencies, which its
 # models never import (datasets, tensorboard, wandb, torchdata, torch_checkpointing: hundreds of
 # MB); what they do import is listed. Its models import triton, which the CUDA wheels bring and
-# the 2.13.0 CPU wheel does not.
+# the 2.13.0 CPU wheel does not. Those imports are installed with everything else, and torchtitan
+# last, alone, with --no-deps: pip checks no dependencies in that run, so the set-up prints no
+# resolver ERROR about the ones left out (a later plain `pip install` into the venv lists them).
 TITAN  := "torchtitan==0.3.0"
 TITAN_DEPS := "spmd_types==0.2.3" tyro einops $(if $(filter 2.13.0,$(TORCH)),"triton==3.7.1")
 # Workers for the suite: pytest-xdist's -n (auto: one per CPU core); PYTEST_WORKERS=0 runs serially.
@@ -47,15 +49,16 @@ HUNT_TESTS ?= tests/test_memory_passes.py::test_random_stacks_and_policies \
 
 setup: $(VENV)/.installed
 
-# One pip run installs torch and the test extras (one resolution; a torch already at $(TORCH),
-# a +cpu build included, is kept). --no-compile: byte-compiling every installed module (torch,
-# transformers, sympy: over 10,000 files) costs more than compiling the ones the suite imports.
+# One pip run installs torch, the test and docs extras and torchtitan's imports (one resolution;
+# a torch already at $(TORCH), a +cpu build included, is kept). --no-compile: byte-compiling every
+# installed module (torch, transformers, sympy: over 10,000 files) costs more than compiling the
+# ones the suite imports.
 $(VENV)/.installed: pyproject.toml Makefile requirements/torch-$(TORCH).txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt -e ".[test,docs]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt -e ".[test,docs]" \
+		$(TITAN_DEPS)
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps $(TITAN)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/torch-$(TORCH).txt $(TITAN_DEPS)
 	touch $@
 
 demo: setup
