@@ -39,3 +39,11 @@ def reads_data(error: BaseException) -> bool:
 
     return isinstance(error, (DataDependentOutputException, DynamicOutputShapeException,
                               GuardOnDataDependentSymNode))
+
+
+def fake_mode_for_meta() -> Any:
+    """A ``FakeTensorMode`` that takes meta tensors as inputs (``to_empty`` of an FSDP2 model
+    built on the meta device calls ``empty_like`` on its meta shards)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

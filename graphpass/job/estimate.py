@@ -31,6 +31,7 @@ import torch.nn as nn
 from .. import _compat
 from ..config import Config, given
 from ..plan import _fake_like
+from .._compat.mem_tracker import fake_mode_for_meta
 from .graphs import EstimateGraphs
 from .result import JobEstimate, Part, Phase, PhasePeak
 from .tracker import Key, Sample, StepTracker, fsdp_step_tracker
@@ -69,7 +70,7 @@ def estimate(model: nn.Module, *inputs: Any, optimizer: Optimizer | None,
     notes: list[str] = []
     model = _uncompiled(model, notes)
     fsdp = _fsdp_root(model)
-    mode = _compat.fake_tensor_mode()
+    mode = fake_mode_for_meta() if fsdp else _compat.fake_tensor_mode()
     with mode:
         fake_model = _fake_model(model, fsdp, notes)
         fake_inputs = [_fake_like(x) if isinstance(x, torch.Tensor) else x for x in inputs]
@@ -77,8 +78,10 @@ def estimate(model: nn.Module, *inputs: Any, optimizer: Optimizer | None,
                        for k, x in input_kwargs.items()}
         opt = _optimizer(optimizer, fake_model, notes)
     graphs = EstimateGraphs(given(config)) if config is not None else None
-    runner: Callable[..., Any] = (_compiled(fake_model, graphs) if graphs is not None
-                                  else fake_model)
+    runner: Callable[..., Any] = fake_model
+    if graphs is not None:
+        runner = _compiled_blocks(fake_model, graphs, notes) if fsdp else _compiled(fake_model,
+                                                                                    graphs)
     if graphs is None:
         notes.append("counted: the model runs eagerly as given (no config): pass config= to "
                      "count graphpass's compiled graphs")
@@ -113,6 +116,21 @@ def _compiled(model: nn.Module, graphs: EstimateGraphs) -> Callable[..., Any]:
             return compiled(*args, **kwargs)
 
     return run
+
+
+def _compiled_blocks(model: nn.Module, graphs: EstimateGraphs, notes: list[str]) -> nn.Module:
+    """An FSDP2 model with each module ``fully_shard`` wraps below the root compiled in place
+    (``Module.compile``, as torchtitan compiles its blocks): FSDP2's hooks run between the
+    graphs. The root's own layers (embedding, final norm, head) run eagerly, counted."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, FSDPModule) and m is not model]
+    for _, block in blocks:
+        block.compile(backend=graphs, dynamic=False)
+    notes.append(f"compiled: the {len(blocks)} modules fully_shard wraps below the root, each "
+                 "on its own (Module.compile); the root's own layers run eagerly")
+    return model
 
 
 class _Step:

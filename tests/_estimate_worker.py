@@ -1,0 +1,109 @@
+"""One rank of ``tests/test_estimate_fsdp.py``: the peak torch's ``FSDPMemTracker`` measures over
+one real training step of an FSDP2 model on two gloo ranks.
+
+    python tests/_estimate_worker.py OUT_DIR RANK WORLD STORE
+
+Each case (``CASES``) builds the tiny Llama language model on the CPU in bf16, applies
+``fully_shard`` to each block and to the root, compiles each block with graphpass where the case
+has options, runs one step to warm up (the optimizer's state, the compiles) and measures the
+second: zero_grad, forward, loss and backward per micro-batch, the optimizer's step. The peaks
+go to ``OUT_DIR/peaks-<rank>.pt``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import graphpass  # noqa: E402
+from graphpass.models import llama  # noqa: E402
+
+BATCH = 2  # each rank's rows
+
+# name: (graphpass options or None (eager), optimizer, micro-batches); the estimates' side is
+# the same table (tests/test_estimate_fsdp.py).
+CASES = {
+    "eager-adamw-2": (None, functools.partial(torch.optim.AdamW, lr=1e-3, foreach=False), 2),
+    "compiled-sgd": (dict(codegen="eager"),
+                     functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), 1),
+}
+
+
+def build(device=None):
+    """The tiny Llama LM (2 blocks, vocabulary 256) in bf16, and this rank's token ids."""
+    return llama.build("tiny_lm", layers=2, batch=BATCH, dtype=torch.bfloat16, device=device)
+
+
+def loss_fn(logits, tokens):
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+
+
+def shard(model, options, world):
+    """``fully_shard`` per block and at the root; each block compiled where ``options``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+        if options is not None:
+            block.compile(backend=graphpass.backend(**options), dynamic=False)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def measure(name: str, world: int) -> int:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class Measuring(FSDPMemTracker):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:  # compiled code runs under the tracker
+            return True
+
+    options, optimizer, micro_batches = CASES[name]
+    torch._dynamo.reset()
+    model, (tokens,) = build()
+    model = shard(model, options, world)
+    opt = optimizer(list(model.parameters()))
+
+    def step(tracker=None):
+        opt.zero_grad(set_to_none=True)
+        for k in range(micro_batches):
+            if tracker is not None and k:
+                tracker.reset_mod_stats()
+            loss = loss_fn(model(tokens), tokens)
+            loss.backward()
+            del loss
+        opt.step()
+
+    step()
+    tracker = Measuring(model, opt)
+    tracker.track_inputs((tokens,))
+    with tracker:
+        step(tracker)
+    (snap,) = tracker.get_tracker_snapshot("peak").values()
+    print(name, {getattr(k, "value", k): v for k, v in snap.items()})  # the breakdown, in the log
+    return snap["Total"]
+
+
+def main(argv: list[str]) -> None:
+    out, rank, world, store = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        peaks = {name: measure(name, world) for name in CASES}
+    finally:
+        dist.destroy_process_group()
+    torch.save(peaks, os.path.join(out, f"peaks-{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,82 @@
+"""``graphpass.estimate`` of an FSDP2 model, one rank of two on torch's fake process group,
+against the peak torch's ``FSDPMemTracker`` measures over the same real step on two gloo ranks
+(``tests/_estimate_worker.py``: both ranks as subprocesses, killed at ``TIMEOUT`` seconds)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphpass
+from graphpass.distributed import fake_process_group
+from graphpass.job.estimate import estimate
+from graphpass.job.result import Part
+
+import _estimate_worker as worker
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+
+WORKER = Path(worker.__file__)
+TIMEOUT = 240  # seconds for both ranks, compiles included
+WORLD = 2
+TOLERANCE = 0.03
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> list[dict[str, int]]:
+    """Both ranks' measured peaks per case."""
+    out = tmp_path_factory.mktemp("estimate-fsdp")
+    env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent), OMP_NUM_THREADS="1")
+    procs, logs = [], []
+    for r in range(WORLD):
+        logs.append(out / f"rank{r}.log")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), str(out), str(r), str(WORLD), str(out / "store")],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + TIMEOUT
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    if any(p.returncode for p in procs):
+        tails = "\n".join(f"--- rank {r} (exit {p.returncode}):\n"
+                          + "\n".join(logs[r].read_text().splitlines()[-30:])
+                          for r, p in enumerate(procs))
+        pytest.fail(f"the FSDP2 ranks failed or timed out ({TIMEOUT} s):\n{tails}", pytrace=False)
+    return [torch.load(out / f"peaks-{r}.pt") for r in range(WORLD)]
+
+
+# Known gap, asserted to stay a gap until it is closed (strict): on torch 2.13 the estimate is
+# 4.3% (eager, AdamW, 2 micro-batches) and 5.4% (compiled, SGD) under the peak measured on gloo.
+# Both peaks fall in the last block's backward; the tracker's breakdown there differs in FSDP2's
+# buffers (gloo: the reduce-scatter input and the unsharded gradients alive; the fake process
+# group: the unsharded parameters), the first block's peaks agree to the byte.
+@pytest.mark.xfail(strict=True, reason="FSDP2 on the fake process group vs gloo: 4-5% under")
+@pytest.mark.parametrize("name", list(worker.CASES))
+def test_fsdp_rank_matches_real_step(name, measured):
+    options, optimizer, micro_batches = worker.CASES[name]
+    torch._dynamo.reset()
+    with fake_process_group(WORLD):
+        model, (tokens,) = worker.build(device="meta")
+        model = worker.shard(model, None, WORLD)  # the estimate compiles under config=
+        est = estimate(model, tokens, optimizer=optimizer, loss_fn=worker.loss_fn,
+                       config=graphpass.Config.from_options(**options) if options else None,
+                       micro_batches=micro_batches)
+    assert (est.world_size, est.rank) == (WORLD, 0)
+    for rank in range(WORLD):
+        real = measured[rank][name]
+        assert abs(est.peak_bytes - real) <= TOLERANCE * real, (rank, est.peak_bytes, real, str(est))
+    assert est.breakdown[Part.FSDP_BUFFERS] > 0
+    assert sum(est.breakdown.values()) == est.peak_bytes
