@@ -17,7 +17,8 @@ from ._version import __version__
 from .config import Config
 from .decisions import Decision, Plan, What
 from .fp8.inductor import fusion_notes, quantize_code
-from .graph.collectives import collective_notes, fp8_distributed_notes, weight_gather_notes
+from .graph.collectives import (collective_notes, fp8_distributed_notes,
+                                fsdp_weight_gather_notes, weight_gather_notes)
 from .graph.flops import step_flops
 from .graph.foreign import foreign_notes
 from .graph.gemms import coverage
@@ -77,6 +78,8 @@ class ReportBuilder:
             *collective_notes(fw, bw),  # a tensor/sequence-parallel rank's communication
             # SimpleFSDP: each weight's all-gather, its dtype and bytes
             *weight_gather_notes(fw, bw, self.parameter_names, named),
+            # FSDP2: each weight's all-gather before the graph, its dtype and bytes
+            *(fsdp_weight_gather_notes(fw, self.parameter_names, named) if fsdp else []),
             *foreign_notes((fw, bw)),  # other libraries' layers: in the graph or outside it
             *(fp8_distributed_notes(fw, bw, fsdp=fsdp, parameter_names=self.parameter_names)
               if lowered else []),

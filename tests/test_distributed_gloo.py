@@ -180,7 +180,13 @@ def test_fsdp2_rank_reports_are_the_one_process_report(fsdp, mode):
         assert [g["rows"] for g in got] == [w["rows"] for w in want]
         assert [g["activation_bytes"] for g in got] == [w["activation_bytes"] for w in want]
         extra = [FSDP_FP8_NOTE] if mode == "fp8" else []
-        assert [g["notes"] for g in got] == [w["notes"] + extra for w in want]
+        # and one note per weight FSDP2 all-gathers before the graph: here, all in bf16
+        gathers = [[n for n in g["notes"] if "FSDP2 (before the graph)" in n] for g in got]
+        assert [[n for n in g["notes"] if n not in gs] for g, gs in zip(got, gathers)] == [
+            w["notes"] + extra for w in want]
+        assert ("weight all-gather: self_attn.q_proj.weight: FSDP2 (before the graph), "
+                "(256, 256), bfloat16 (parameter dtype), 128.00 KiB each all-gather") in gathers[0]
+        assert len(gathers[0]) == 9  # 7 linears and 2 norms
     for report in want:
         weights = {row[0]: row for row in report["rows"] if row[0].endswith(".weight")}
         assert weights and all(row[2] == "parameter" for row in weights.values()), weights

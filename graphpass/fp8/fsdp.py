@@ -300,7 +300,9 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     reduced (max) over its data-parallel group in one all-reduce per group, kept for the next
     all-gathers. Returns how many weights. A weight that changes after this call reduces its
     own amax again before its all-gather (with a warning), so a late or forgotten call costs
-    all-reduces, never a stale scale."""
+    all-reduces, never a stale scale. Before the first all-gather (when FSDP2's
+    ``param_dtype``, in which the amax is taken, is not known yet) it reduces nothing: the
+    first all-gather reduces each weight's amax itself."""
     groups: dict[Any, list[tuple[FP8GatherShard, torch.dtype]]] = {}
     p_version: dict[int, int] = {}
     for p in model.parameters():
@@ -312,7 +314,9 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
             raise ValueError("graphpass.precompute_fsdp_fp8_scales: the model's FP8-gathered "
                              "weights are not sharded yet: call it after fully_shard (and "
                              "after each optimizer.step())")
-        dtype = local._state.param_dtype or local.dtype
+        dtype = local._state.param_dtype
+        if dtype is None:  # not gathered yet: FSDP2's param_dtype is known at the first gather,
+            continue       # which reduces this weight's amax itself
         if local._state.param is None:
             local._state.param = weakref.ref(p)
         p_version[id(local)] = p._version

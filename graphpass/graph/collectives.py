@@ -16,6 +16,7 @@ import torch.fx as fx
 from .. import _compat
 from ..decisions import Decision, What
 from ..report import format_bytes
+from .joint import FSDP_FP8_DATA, is_fsdp_fp8_scale
 from .nodes import normalize_path, op_name
 from .ops import CASTS, COLLECTIVE_GATHERS, VIEWS
 
@@ -104,10 +105,37 @@ SIMPLE_FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
 
 
 FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
-    "FSDP2: each weight is quantized after FSDP's all-gather, from the unsharded weight (one "
-    "scale per weight, as in one process); the all-gather moves the parameter dtype: FP8 "
-    "all-gather (torchao's float8 FSDP weights) is not supported; activation amaxes are this "
-    "rank's batch rows, not reduced across data-parallel ranks"))
+    "FSDP2: a weight graphpass.fsdp_fp8_weights wrapped is all-gathered in FP8, quantized shard "
+    "by shard with the whole weight's amax (all-reduced, max): the bits of quantizing the "
+    "gathered weight, which its FP8 GEMMs read; every other weight is all-gathered in the "
+    "parameter dtype and, where lowered, quantized after the all-gather from the unsharded "
+    "weight (the weight all-gather notes list each); activation amaxes are this rank's batch "
+    "rows, not reduced across data-parallel ranks"))
+
+
+def fsdp_weight_gather_notes(fw: fx.GraphModule, parameter_names: set[str],
+                             names: dict[str, str]) -> list[Decision]:
+    """Under FSDP2 (its all-gathers run before the graph, in its hooks): one note per weight the
+    forward reads, with the dtype its all-gather moves and the bytes this rank receives per
+    all-gather: FP8 for a weight ``fsdp_fp8_weights`` wrapped (its data input, 1 byte per
+    element; the scale is not gathered), else the parameter's dtype."""
+    notes = []
+    for p in fw.graph.find_nodes(op="placeholder"):
+        val = p.meta.get("val")
+        if not isinstance(val, torch.Tensor) or is_fsdp_fp8_scale(p):
+            continue
+        if p.meta.get(FSDP_FP8_DATA):
+            moved, why = (f"{str(val.dtype).removeprefix('torch.')} (as uint8)",
+                          "graphpass.fsdp_fp8_weights")
+        elif p.name in parameter_names:
+            moved, why = str(val.dtype).removeprefix("torch."), "parameter dtype"
+        else:
+            continue
+        name = normalize_path(names.get(p.name, ""), of_module=False) or p.name
+        notes.append(Decision(What.WEIGHT_ALL_GATHER, "distributed", (
+            f"FSDP2 (before the graph), {tuple(val.shape)}, {moved} ({why}), "
+            f"{format_bytes(val.numel() * val.element_size())} each all-gather"), name))
+    return notes
 
 
 def fp8_distributed_notes(fw: fx.GraphModule, bw: fx.GraphModule, *, fsdp: bool,

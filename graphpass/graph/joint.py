@@ -64,8 +64,9 @@ def primals(joint: fx.GraphModule) -> list[fx.Node]:
     return [n for n in joint.graph.find_nodes(op="placeholder") if not is_tangent(n)]
 
 
-# The meta key of a primal that is the scale of a weight FSDP2 all-gathered in FP8.
+# The meta keys of the primals of a weight FSDP2 all-gathered in FP8: its scale, its data.
 FSDP_FP8_SCALE = "graphpass_fsdp_fp8_scale"
+FSDP_FP8_DATA = "graphpass_fsdp_fp8_data"
 
 
 def is_fsdp_fp8_scale(node: fx.Node) -> bool:

@@ -24,7 +24,7 @@ from ..decisions import Decision, Plan, Quantized, What, record
 from ..fp8 import recipes
 from ..fp8.fsdp import FSDP_FP8_WEIGHT
 from ..fp8.ops import QUANTIZE
-from ..graph.joint import FSDP_FP8_SCALE, partition_side, set_partition_side
+from ..graph.joint import FSDP_FP8_DATA, FSDP_FP8_SCALE, partition_side, set_partition_side
 from ..graph.nodes import module_path, op_name
 from .partitioner import TrialPartitioner
 
@@ -38,6 +38,7 @@ def fsdp_fp8_weights(joint: fx.GraphModule, plan: Plan, config: Config,
     for value in weights:
         data, scale_inv = value.args[:2]
         scale_inv.meta[FSDP_FP8_SCALE] = True
+        data.meta[FSDP_FP8_DATA] = True
         readers = [u for u in value.users if _live(u)]
         others = [u for u in readers if not _quantize_of(u, data)]
         where = next((module_path(u) for u in readers if module_path(u)), "") or data.name
@@ -54,9 +55,9 @@ def fsdp_fp8_weights(joint: fx.GraphModule, plan: Plan, config: Config,
         _erase_dead(graph, value)
         gathered = data.meta["val"]
         plan.decide(Decision(What.FP8_ALL_GATHER, "fp8", (
-            f"weight, FSDP2: all-gathered in FP8 ({_dtype(gathered)}, "
-            f"{gathered.numel():,} B per step, the scale of the whole weight); the FP8 GEMMs "
-            "read the gathered bytes (no quantize in the graph)"), where), once=True)
+            f"weight, FSDP2: all-gathered in FP8 ({_dtype(gathered)}, with the whole weight's "
+            "scale); the FP8 GEMMs read the gathered bytes, no quantize in the graph"), where),
+            once=True)
     if weights:
         graph.lint()
         joint.recompile()

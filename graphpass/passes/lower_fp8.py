@@ -45,6 +45,7 @@ from .save_original import merge_usages
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
+FSDP_FP8_WEIGHT = "graphpass.fsdp_fp8_weight"  # a weight FSDP2 gathered in FP8 (fp8/fsdp.py)
 
 
 def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
@@ -67,6 +68,13 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
         head = heads.get(lin.fprop)
         reason = (why_not_lowered(lin, config) or kept_heads.get(lin.fprop)
                   or slower.get(lin.fprop))
+        if reason and reason == slower.get(lin.fprop) and op_name(lin.w) == FSDP_FP8_WEIGHT:
+            # FSDP2 gathered the weight in FP8 (fp8/fsdp.py): there is no bf16 weight to run
+            plan.decide(Decision(What.COST_NOT_JUDGED, "fp8", (
+                f"the weight arrives all-gathered in FP8 (graphpass.fsdp_fp8_weights), so the "
+                f"linear is lowered; the roofline would keep it in bf16: {reason}"), lin.module),
+                once=True)
+            reason = None
         if reason:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)
             for node in (lin.fprop, lin.dgrad, lin.wgrad):
