@@ -16,7 +16,7 @@ import textwrap
 import typing
 from typing import Any, Callable, Sequence
 
-from .config import CHOICES, ITEM_CHOICES, Config, option_fields
+from .config import CHOICES, DEPRECATED, ITEM_CHOICES, Config, option_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,20 @@ def add_config_flags(parser: argparse.ArgumentParser, flags: Sequence[ConfigFlag
         else:
             group.add_argument(fl.flag, dest=f"cfg_{fl.name}", type=_argtype(fl), metavar=fl.metavar,
                                default=argparse.SUPPRESS, help=fl.help)
+    # A deprecated keyword's flag (``config.DEPRECATED``), left out of --help: its value reaches
+    # Config under the old name, which warns once and gives it to the new keyword.
+    by_name = {fl.name: fl for fl in flags}
+    for old, new in DEPRECATED.items():
+        fl = by_name.get(new)
+        if fl is None:
+            continue
+        flag = "--" + old.replace("_", "-")
+        if fl.is_bool:
+            group.add_argument(flag, dest=f"cfg_{old}", action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        else:
+            group.add_argument(flag, dest=f"cfg_{old}", type=_argtype(fl), metavar=fl.metavar,
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def parse_policy(spec: str, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
@@ -133,10 +147,11 @@ def parse_policy(spec: str, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
         if not eq or not key:
             raise ValueError("expected space-separated key=value items such as "
                              "'fp8=tensorwise kernels=reference'")
-        if key not in by_name:
+        flag = by_name.get(DEPRECATED.get(key, key))  # an old name: Config warns and renames it
+        if flag is None:
             raise ValueError(f"unknown option {key!r}; valid options: {', '.join(by_name)}")
         try:
-            options[key] = by_name[key].convert(value)
+            options[key] = flag.convert(value)
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
     return options

@@ -166,7 +166,7 @@ class _Group:
 @dataclass(frozen=True)
 class FP8(_Group):
     """FP8 training of linear layers: the recipe and how it runs (``Config(fp8=...)``, or the
-    ``fp8_*``, ``kernels``, ``fuse_quantize`` and ``save_original*`` keywords). ``FP8()``, the
+    ``fp8_*``, ``kernels`` and ``fuse_quantize`` keywords). ``FP8()``, the
     default, is FP8 off; its other options then have no effect."""
 
 
@@ -174,14 +174,18 @@ class FP8(_Group):
     """FP8 recipe for linear layers: ``None`` (off), ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``,
     ``"rowwise"`` (E4M3 everywhere, one fp32 scale per row of each GEMM operand: the recipe of
     ``torch._scaled_mm``'s and ``torch._scaled_grouped_mm``'s rowwise kernels, torchao's
-    ``rowwise``)."""
+    ``rowwise``).
+    Turn it on to train the linears in FP8; docs/hardware.md says which recipe each GPU runs
+    natively, and docs/fp8.md#recipes how they differ."""
 
     pow2_scales: bool | None = None
     """Scales rounded down to powers of two, so scaling and unscaling are exact: with
     ``fp8="rowwise"`` (off by default; torchao's ``round_scales_to_power_of_2``) or
     ``fp8="blockwise"`` (on by default, Transformer Engine's ``Float8BlockScaling``; ``False``
     gives the plain ``fp8_max / amax`` scales of DeepSeek-V3's recipe). ``None``: the recipe's
-    default."""
+    default. Set it to match another implementation's bits (torchao's
+    rowwise with ``round_scales_to_power_of_2``, DeepSeek-V3's plain scales); leave it ``None``
+    otherwise."""
 
     format: FP8Format = "hybrid"
     """With ``fp8="tensorwise"``: Transformer Engine's FP8 format. ``"hybrid"`` (TE's
@@ -189,14 +193,21 @@ class FP8(_Group):
     ``Format.E4M3``): gradients E4M3 too, each with its own tensorwise scale; then the expert
     GEMMs' dgrad and wgrad run as one ``torch._scaled_grouped_mm`` each, as their forward does
     (the grouped kernel takes E4M3 operands only). The other recipes are E4M3 in every role
-    already."""
+    already. Leave it at ``"hybrid"`` unless matching a Transformer Engine run that
+    uses ``Format.E4M3``."""
 
     kernels: Kernels = "auto"
-    """FP8 kernel provider: ``"auto"``, ``"te"``, ``"scaled_mm"`` or ``"reference"``."""
+    """FP8 kernel provider: ``"auto"``, ``"te"`` (Transformer Engine's kernels), ``"scaled_mm"``
+    (``torch._scaled_mm`` and ``torch._scaled_grouped_mm``) or ``"reference"`` (pure torch,
+    exact, any device). ``"auto"`` picks the first provider that runs the recipe on the device
+    (docs/fp8.md#kernel-providers). Leave it at ``"auto"``; name a provider to compare against
+    it, or ``"reference"`` to check numerics on a CPU."""
 
     exclude: tuple[str, ...] = ("output", "lm_head", "*.gate", "*.router")
     """Module-path patterns (fnmatch) of linears kept in high precision: the output head and MoE
-    routers by default, as Megatron and torchtitan do."""
+    routers by default, as Megatron and torchtitan do. Add the paths of
+    linears whose precision matters more than their speed, or whose GEMMs are too small to
+    gain."""
 
     fuse_quantize: bool = True
     """With ``codegen="inductor"`` and ``fp8="tensorwise"``, ``"rowwise"`` or ``"blockwise"``:
@@ -205,7 +216,7 @@ class FP8(_Group):
     report note). It reads the bf16-rounded value eager
     reads (bit-identical to the opaque op on the CPU); the contract is each dequantized value
     within one FP8 ulp of the opaque op's (docs/fp8.md#exactness). ``False`` keeps each quantize
-    one opaque op, for debugging."""
+    one opaque op, for debugging. Leave it on."""
 
     sequence_all_gather: bool = True
     """With ``fp8="tensorwise"`` under sequence parallelism: quantize each rank's shard before the
@@ -213,7 +224,8 @@ class FP8(_Group):
     backward), with the amax reduced (max) over the group, and all-gather the FP8 bytes, as
     Transformer Engine does: half the bytes of a bf16 all-gather, the same FP8 bits. ``False``
     all-gathers the high-precision tensor and quantizes it after. (``fp8_all_gather`` is its
-    deprecated name.)"""
+    deprecated name.)
+    Leave it on; ``False`` to compare with a high-precision all-gather."""
 
     weight_all_gather: bool = True
     """With ``fp8="tensorwise"`` under FSDP2 (``fully_shard``): the weights that
@@ -228,7 +240,9 @@ class FP8(_Group):
     i.e. precise, accumulation for dgrad and wgrad, as Transformer Engine's recipes and torchao's
     float8 set it), ``"fast"`` or ``"precise"`` for every GEMM. ``torch._scaled_mm``'s
     ``use_fast_accum`` and TE's ``use_split_accumulator``; the reference provider accumulates in
-    fp32 whatever the mode (it models the precise one)."""
+    fp32 whatever the mode (it models the precise one). Leave it at ``"te"``;
+    ``"precise"`` everywhere when checking whether fast accumulation explains a difference from
+    a bf16 run."""
 
     cost_model: FP8CostModel = "h100"
     """``"h100"``: a linear whose FP8 GEMMs plus quantizes an H100's roofline estimates slower than
@@ -237,10 +251,14 @@ class FP8(_Group):
     ...: faster in bf16 (...)`` note (``graphpass/fp8/cost.py``) that also says where
     quantizing the weight once per optimizer step (``weight_cache`` with gradient accumulation)
     would make FP8 the faster; the H100 is the target on every device, a CPU included.
-    ``"off"`` lowers every eligible linear."""
+    ``"off"`` lowers every eligible linear. Leave it at ``"h100"`` for step
+    time; ``"off"`` to run every linear in FP8 as Transformer Engine's modules do (to compare
+    with TE, or where the FP8 copies' smaller bytes matter more than speed)."""
 
     min_gemm_flops: int = 0
-    """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision."""
+    """Linears whose forward GEMM has fewer FLOPs (2*M*N*K) stay in high precision.
+    Use it to keep small linears in high precision by size alone, without the cost model's
+    judgement."""
 
     save_original: SaveOriginal = "auto"
     """For the quantized copy of a linear's input that wgrad needs (the columnwise X):
@@ -248,18 +266,24 @@ class FP8(_Group):
     ``"always"`` saves the original and re-quantizes in the backward (TE's
     ``save_original_input``); ``"auto"`` lets the partitioner pick whichever saves fewer bytes
     (the original wins when it is saved anyway or its producer is recomputed). A weight's copy is
-    always re-quantized from the resident parameter."""
+    always re-quantized from the resident parameter. Leave it at ``"auto"``; ``"never"``
+    or ``"always"`` reproduce Transformer Engine's default or its ``save_original_input``.
+    (``save_original`` is its deprecated name.)"""
 
     save_original_modules: tuple[str, ...] = ()
     """Module-path patterns of linears that always save their original input, whatever
-    ``save_original`` says for the others (Megatron's per-module ``save_original_input``)."""
+    ``save_original`` says for the others (Megatron's per-module ``save_original_input``). Use it to
+    reproduce a Megatron configuration that sets ``save_original_input`` on some modules.
+    (``save_original_modules`` is its deprecated name.)"""
 
     weight_once: bool = False
     """Quantize each lowered weight once per step: its fprop and dgrad FP8 copies from one read
     of the weight in the forward, dgrad's copy saved for the backward (1 byte per weight element
     plus its scales, held until the backward reads it: Transformer Engine's default). Off, the
     backward re-quantizes dgrad's copy from the resident parameter: no memory, one more read of
-    the weight. A memory decision: gradients are bit-identical either way."""
+    the weight. A memory decision: gradients are bit-identical either way. Turn it on to
+    read each weight once per step, as Transformer Engine does, where memory allows it; leave it
+    off where memory is what limits the step. (``fp8_weight_once`` is its deprecated name.)"""
 
     weight_cache: FP8WeightCache = False
     """Quantize each lowered weight once per optimizer step: with gradient accumulation, the
@@ -272,7 +296,9 @@ class FP8(_Group):
     memory planner chooses where the predicted peak stays within ``memory_budget``, the most
     quantize work per cached byte first (without a budget, none, with a note). A memory
     decision: gradients are bit-identical either way
-    (docs/memory/weight-cache.md#fp8_weight_cache)."""
+    (docs/memory/weight-cache.md#fp8_weight_cache). Use it with gradient
+    accumulation, where every micro-batch would quantize the same weights again; ``"auto"``
+    with ``memory_budget`` caches only what fits."""
 
     def __post_init__(self) -> None:
         if self.recipe == "delayed":
@@ -334,22 +360,30 @@ class FP8(_Group):
 @dataclass(frozen=True)
 class Recompute(_Group):
     """Output-discarding recompute of selected modules (``Config(recompute=...)``, or the
-    ``recompute_*`` keywords but ``recompute_budget``, the planner's)."""
+    ``recompute_*`` keywords)."""
 
 
     modules: tuple[RecomputeModule, ...] = ()
     """Output-discarding recompute, in Megatron's words: ``layernorm``, ``act``, ``moe_act``,
-    ``core_attn``, ``mlp``, ``moe``, ``shared_experts``, ``mla_up_proj``, or ``full`` layers."""
+    ``core_attn``, ``mlp``, ``moe``, ``shared_experts``, ``mla_up_proj``, or ``full`` layers.
+    Use it to trade compute for activation memory by kind of module, as Megatron-Core's
+    ``recompute_modules`` does: ``layernorm`` and ``act`` recompute cheap ops, ``core_attn``,
+    ``mlp``, ``moe`` and ``full`` recompute GEMMs or attention. Without it the memory planner
+    (``memory_planner``) still recomputes cheap ops where that saves bytes."""
 
     method: RecomputeMethod = "uniform"
     """For ``recompute=("full",)``: ``"uniform"`` checkpoints every chunk of
-    ``recompute_num_layers`` layers; ``"block"`` the first ``recompute_num_layers`` layers."""
+    ``recompute_num_layers`` layers; ``"block"`` the first ``recompute_num_layers`` layers. Use ``"block"``
+    when only some layers need to be checkpointed to fit."""
 
     num_layers: int = 1
-    """Layers per checkpointed chunk (``uniform``) or checkpointed layers (``block``)."""
+    """Layers per checkpointed chunk (``uniform``) or checkpointed layers (``block``).
+    Larger chunks save fewer boundary tensors and recompute a whole chunk at once in the
+    backward."""
 
     include: tuple[str, ...] = ("*",)
-    """Module-path patterns narrowing where ``recompute`` applies (e.g. ``("layers.[0-3].*",)``)."""
+    """Module-path patterns narrowing where ``recompute`` applies (e.g. ``("layers.[0-3].*",)``). Use it
+    to recompute in some layers only."""
 
     def __post_init__(self) -> None:
         self._choices()
@@ -378,24 +412,30 @@ class Offload(_Group):
 
 
     enabled: bool = False
-    """Offload eligible saved activations to CPU with torch's activation offloading."""
+    """Offload eligible saved activations to CPU with torch's activation offloading.
+    Use it when saved activations do not fit on the device and the copies to and from host
+    memory can overlap compute; recompute (``recompute``) is the other way to free them."""
 
     stream: bool | None = None
     """With ``offload``, on CUDA: copy on a separate stream and prefetch reloads (torch's
     separate-stream mode); ``False``, or on CPU, the copies run synchronously on the default
-    stream. ``None`` (unset) means on whenever ``offload`` is."""
+    stream. ``None`` (unset) means on whenever ``offload`` is. Leave it unset;
+    ``False`` to debug with synchronous copies."""
 
     min_bytes: int = 1 << 20
-    """Saved tensors smaller than this are never offloaded."""
+    """Saved tensors smaller than this are never offloaded. Raise it to offload
+    only large tensors, whose copies are worth their launch."""
 
     hidden_only: bool = False
     """With ``offload``: offload only the saved tensors whose copies an H100's roofline hides
     under compute on torch's separate stream, largest and longest-lived first; the others stay
     on the device, ``offload: no (copy not hidden: ...)``
-    (docs/memory/offload.md#offload_hidden_only)."""
+    (docs/memory/offload.md#offload_hidden_only). Turn it on to offload only what
+    costs no step time by that estimate."""
 
     exclude: tuple[str, ...] = ()
-    """Module-path or op patterns (``"layers.0.*"``, ``"aten.mm"``) never offloaded (opt-out)."""
+    """Module-path or op patterns (``"layers.0.*"``, ``"aten.mm"``) never offloaded (opt-out). Use it to
+    keep the tensors the backward reads first on the device."""
 
     def __post_init__(self) -> None:
         self._bools("enabled", "hidden_only")
@@ -413,7 +453,7 @@ class Offload(_Group):
 @dataclass(frozen=True)
 class ActivationCache(_Group):
     """The FP8 activation cache: saved activations stored in FP8 between forward and backward
-    (``Config(fp8_cache=...)``, or the ``fp8_cache_*`` keywords)."""
+    (``Config(fp8_activation_cache=...)``, or the ``fp8_activation_cache_*`` keywords)."""
 
 
     level: FP8Cache = None
@@ -421,16 +461,21 @@ class ActivationCache(_Group):
     exact passes, of what they still save). ``"act_input"``: inputs of activation functions
     (SwiGLU's gate and up, GELU's input); ``"attn"``: attention's saved inputs and output;
     ``"layer_input"``: residual-stream tensors saved for norms; ``"all"``: every saved floating
-    activation. The backward reads the dequantized value; the forward the exact one."""
+    activation. The backward reads the dequantized value; the forward the exact one. Use it when
+    the exact options (``recompute``, ``offload``, ``memory_budget``) do not free enough memory,
+    and compare the loss with a run without it. (``fp8_cache`` is its deprecated name.)"""
 
     format: FP8CacheFormat = "e4m3_1x128_pow2"
     """The FP8 activation cache's format: ``"e4m3_1x128_pow2"`` (one power-of-two scale per
     1x128 block along the last dimension, stored as an E8M0 byte: DeepSeek-V3's activations),
     ``"e4m3_1x128"`` (the same with fp32 scales), ``"e4m3_tensor"`` or ``"e5m2_tensor"`` (one
-    scale per tensor)."""
+    scale per tensor). Leave the default; a per-tensor format keeps fewer scales and
+    loses more precision on tensors with outliers. (``fp8_cache_format`` is its deprecated
+    name.)"""
 
     min_bytes: int = 1 << 16
-    """Saved activations smaller than this stay in their dtype under ``fp8_cache``."""
+    """Saved activations smaller than this stay in their dtype under ``fp8_activation_cache``.
+    Raise it to keep more tensors exact. (``fp8_cache_min_bytes`` is its deprecated name.)"""
 
     def __post_init__(self) -> None:
         self._choices()
@@ -439,30 +484,36 @@ class ActivationCache(_Group):
     def _unused(self) -> list[tuple[str, str]]:
         if self.level is not None:
             return []
-        return [(name, "fp8_cache='act_input' (or another level)") for name in ("format",
+        return [(name, "fp8_activation_cache='act_input' (or another level)") for name in ("format",
                                                                                  "min_bytes")]
 
 
 @dataclass(frozen=True)
 class MemoryPlan(_Group):
-    """How the partitioner chooses what to save (``Config(memory=...)``, ``recompute_budget``,
-    ``memory_budget``)."""
+    """How the partitioner chooses what to save (``Config(memory_planner=...)``,
+    ``planner_recompute_budget``, ``memory_budget``)."""
 
 
     policy: Memory = None
     """``"auto"``: the planner minimises saved bytes, recomputing any non-GEMM, non-attention op
-    within ``recompute_budget``; ``"default"``: torch's min-cut heuristics. ``None`` means
-    ``"auto"`` when FP8 is on and ``"default"`` otherwise."""
+    within ``planner_recompute_budget``; ``"default"``: torch's min-cut heuristics. ``None`` means
+    ``"auto"`` when FP8 is on and ``"default"`` otherwise. Leave it unset;
+    ``"default"`` to compare with torch's own partitioner. (``memory`` is its deprecated
+    name.)"""
 
     recompute_budget: float | None = 0.01
-    """Most recompute the planner may add, as a fraction of the step's FLOPs (None: no limit)."""
+    """Most recompute the planner (``memory_planner="auto"``) may add, as a fraction of the
+    step's FLOPs (None: no limit). Raise it to let the planner trade more compute for memory,
+    ``0`` to keep it from recomputing. (``recompute_budget`` is its deprecated name.)"""
 
     budget: int | float | None = None
     """The most the step's predicted peak may be: bytes (an int), or a fraction of the device's
     memory (a float in (0, 1]; an H100's 80 GiB when no CUDA device is present). The planner
     recomputes or offloads saved tensors until it fits, at the least added time by a roofline
     estimate, exactly (gradients unchanged); a ValueError when no plan fits. ``None``: no
-    budget (docs/memory/memory-budget.md#memory_budget)."""
+    budget (docs/memory/memory-budget.md#memory_budget). Set it when a step must fit a
+    device: a fraction below 1 leaves room for what the step's graph does not hold (the
+    allocator's fragmentation, other programs)."""
 
     def __post_init__(self) -> None:
         self._choices()
@@ -470,7 +521,7 @@ class MemoryPlan(_Group):
                 isinstance(self.recompute_budget, (int, float))
                 and not isinstance(self.recompute_budget, bool)
                 and 0 <= self.recompute_budget < float("inf")):
-            raise ValueError(f"invalid graphpass option recompute_budget="
+            raise ValueError(f"invalid graphpass option planner_recompute_budget="
                              f"{self.recompute_budget!r}; expected a fraction of step FLOPs such "
                              "as 0.01, or None for no limit")
         budget = self.budget
@@ -500,25 +551,25 @@ SHORTHAND: dict[str, tuple[str | None, str]] = {
     "fp8_accumulate": ("float8", "accumulate"),
     "fp8_cost_model": ("float8", "cost_model"),
     "fp8_min_gemm_flops": ("float8", "min_gemm_flops"),
-    "save_original": ("float8", "save_original"),
-    "save_original_modules": ("float8", "save_original_modules"),
-    "fp8_weight_once": ("float8", "weight_once"),
+    "fp8_save_original_input": ("float8", "save_original"),
+    "fp8_save_original_input_modules": ("float8", "save_original_modules"),
+    "fp8_save_quantized_weight": ("float8", "weight_once"),
     "fp8_weight_cache": ("float8", "weight_cache"),
     "recompute": ("recomputation", "modules"),
     "recompute_method": ("recomputation", "method"),
     "recompute_num_layers": ("recomputation", "num_layers"),
     "recompute_include": ("recomputation", "include"),
-    "memory": ("memory_plan", "policy"),
-    "recompute_budget": ("memory_plan", "recompute_budget"),
+    "memory_planner": ("memory_plan", "policy"),
+    "planner_recompute_budget": ("memory_plan", "recompute_budget"),
     "memory_budget": ("memory_plan", "budget"),
     "offload": ("offloading", "enabled"),
     "offload_stream": ("offloading", "stream"),
     "offload_min_bytes": ("offloading", "min_bytes"),
     "offload_hidden_only": ("offloading", "hidden_only"),
     "offload_exclude": ("offloading", "exclude"),
-    "fp8_cache": ("activation_cache", "level"),
-    "fp8_cache_format": ("activation_cache", "format"),
-    "fp8_cache_min_bytes": ("activation_cache", "min_bytes"),
+    "fp8_activation_cache": ("activation_cache", "level"),
+    "fp8_activation_cache_format": ("activation_cache", "format"),
+    "fp8_activation_cache_min_bytes": ("activation_cache", "min_bytes"),
 }
 
 # Deprecated keywords: each old name and the keyword it now is. ``Config``, ``replace``,
@@ -526,6 +577,18 @@ SHORTHAND: dict[str, tuple[str | None, str]] = {
 # a FutureWarning, once per name and process; ``config.<old name>`` reads the new keyword.
 DEPRECATED: dict[str, str] = {
     "fp8_all_gather": "fp8_sequence_all_gather",
+    # Names that read as something else: the FP8 weight copy saved for the backward (not a cache
+    # held between steps, fp8_weight_cache); the activation cache (not a weight cache); the
+    # planner's choice and its recompute budget (not the memory budget, nor the recompute_*
+    # selections); the linear's original input saved for wgrad.
+    "fp8_weight_once": "fp8_save_quantized_weight",
+    "fp8_cache": "fp8_activation_cache",
+    "fp8_cache_format": "fp8_activation_cache_format",
+    "fp8_cache_min_bytes": "fp8_activation_cache_min_bytes",
+    "memory": "memory_planner",
+    "recompute_budget": "planner_recompute_budget",
+    "save_original": "fp8_save_original_input",
+    "save_original_modules": "fp8_save_original_input_modules",
 }
 _warned: set[str] = set()
 
@@ -557,8 +620,8 @@ GROUPS: dict[str, tuple[type[_Group], str]] = {
     "float8": (FP8, "fp8"),
     "recomputation": (Recompute, "recompute"),
     "offloading": (Offload, "offload"),
-    "activation_cache": (ActivationCache, "fp8_cache"),
-    "memory_plan": (MemoryPlan, "memory"),
+    "activation_cache": (ActivationCache, "fp8_activation_cache"),
+    "memory_plan": (MemoryPlan, "memory_planner"),
 }
 # Each group field's keyword, for the groups' messages.
 _KEYWORDS: dict[tuple[type, str], str] = {
@@ -587,24 +650,27 @@ class Config:
     """
 
     codegen: Codegen = "inductor"
-    """Code generation after partitioning: ``"inductor"`` (default) or ``"eager"``."""
+    """Code generation after partitioning: ``"inductor"`` (default) or ``"eager"`` (the
+    partitioned graphs run op by op). Train with ``"inductor"``; ``"eager"`` to debug a graph,
+    or to plan and report where compiling kernels is not wanted: it partitions the same joint
+    graph."""
 
     report: bool = True
-    """Build a saved-tensor report after each partition (``graphpass.last_report()``)."""
+    """Build a saved-tensor report after each partition (``graphpass.last_report()``). Turn it
+    off where nothing reads the report, to save its cost at compile time."""
 
     order_backward: bool = False
     """With ``codegen="inductor"``, the backward ordered for memory
     (docs/memory/order-backward.md#order_backward). On a GPU, each FP8 GEMM's operand copies
     are made after the GEMM before it in the graph's order (control dependencies Inductor's
-    scheduler keeps) and each gradient is quantized from a buffer of its own: Inductor's CUDA
-    code of the Llama-3-8B FP8 layer then holds 913 MiB above weights, inputs and gradients
-    instead of 1,201 (bf16: 1,009), for about 20% more bytes moved by its kernels (the
-    step-peak model follows that order); not yet measured on a GPU. On the CPU, each group of
-    reductions Inductor's C++ code runs as one kernel (a layer's norm weight gradients) moves
-    beside the last buffer they read, so the weight-gradient quantizes and GEMMs between them
-    run beside their data gradients (a report note says what moved; +4.3% step time on the FP8
-    tiny Llama). Either way only the order of kernels changes: gradients are bit-identical with
-    and without it. Off by default."""
+    scheduler keeps) and each gradient is quantized from a buffer of its own, which lowers the
+    backward's peak for more bytes moved by its kernels (the step-peak model follows that
+    order). On the CPU, each group of reductions Inductor's C++ code runs as one kernel (a
+    layer's norm weight gradients) moves beside the last buffer they read, so the weight-gradient
+    quantizes and GEMMs between them run beside their data gradients (a report note says what
+    moved). Either way only the order of kernels changes: gradients are bit-identical with and
+    without it. Off by default. Turn it on when the backward holds the step's peak and memory
+    matters more than step time; docs/numbers.md has its measurements."""
 
     float8: FP8 = FP8()
     """FP8 training of linear layers."""
@@ -629,7 +695,7 @@ class Config:
 
     @property
     def memory_policy(self) -> str:
-        return self.memory or ("auto" if self.fp8 else "default")
+        return self.memory_planner or ("auto" if self.fp8 else "default")
 
     @property
     def recipe(self) -> recipes.Recipe | None:

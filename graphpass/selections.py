@@ -38,8 +38,8 @@ def expected(config: Config) -> dict[tuple[str, str], str]:
                 for p in config.fp8_exclude if p not in default}
     if config.fp8 is not None and config.fp8_weight_cache is True:  # "auto": the planner's notes
         out[("fp8_weight_cache", "weights")] = "lowered weights that are parameters"
-    if config.fp8_cache is not None:
-        out[("fp8_cache", config.fp8_cache)] = _CACHE_LOOKS_FOR.get(config.fp8_cache, "saved tensors")
+    if config.fp8_activation_cache is not None:
+        out[("fp8_cache", config.fp8_activation_cache)] = _CACHE_LOOKS_FOR.get(config.fp8_activation_cache, "saved tensors")
     return out
 
 

@@ -20,16 +20,16 @@ from graphpass.config import DEFAULTS, SHORTHAND
     ({"fp8": "rowwise", "kernels": "scaled_mm"},
      {"fp8": FP8("rowwise", kernels="scaled_mm")}),
     ({"fp8": "tensorwise", "fp8_format": "e4m3", "fp8_exclude": ["output"],
-      "fp8_weight_once": True},
+      "fp8_save_quantized_weight": True},
      {"fp8": FP8("tensorwise", format="e4m3", exclude=("output",), weight_once=True)}),
     ({"recompute": ["full"], "recompute_method": "block", "recompute_num_layers": 2},
      {"recompute": Recompute(("full",), method="block", num_layers=2)}),
     ({"offload": True, "offload_min_bytes": 0, "offload_exclude": ("aten.mm",)},
      {"offload": Offload(True, min_bytes=0, exclude=("aten.mm",))}),
-    ({"fp8_cache": "attn", "fp8_cache_format": "e4m3_tensor"},
-     {"fp8_cache": ActivationCache("attn", format="e4m3_tensor")}),
-    ({"memory": "auto", "memory_budget": 0.5, "recompute_budget": None},
-     {"memory": MemoryPlan("auto", recompute_budget=None, budget=0.5)}),
+    ({"fp8_activation_cache": "attn", "fp8_activation_cache_format": "e4m3_tensor"},
+     {"fp8_activation_cache": ActivationCache("attn", format="e4m3_tensor")}),
+    ({"memory_planner": "auto", "memory_budget": 0.5, "planner_recompute_budget": None},
+     {"memory_planner": MemoryPlan("auto", recompute_budget=None, budget=0.5)}),
     # a group and keywords that change it
     ({"fp8": "rowwise", "fp8_pow2_scales": True, "kernels": "scaled_mm"},
      {"fp8": FP8("rowwise", kernels="scaled_mm"), "fp8_pow2_scales": True}),
@@ -47,9 +47,9 @@ def test_flat_and_grouped_forms_build_equal_configs(flat, grouped):
 
 def test_backend_takes_a_group_too():
     backend = graphpass.backend(fp8=FP8("tensorwise", weight_once=True), recompute=("layernorm",))
-    assert backend.config == Config(fp8="tensorwise", fp8_weight_once=True,
+    assert backend.config == Config(fp8="tensorwise", fp8_save_quantized_weight=True,
                                     recompute=("layernorm",))
-    assert backend.config.changed() == {"fp8": "tensorwise", "fp8_weight_once": True,
+    assert backend.config.changed() == {"fp8": "tensorwise", "fp8_save_quantized_weight": True,
                                         "recompute": ("layernorm",)}
 
 
@@ -104,7 +104,8 @@ def test_unknown_keyword_of_config_is_a_value_error_naming_the_valid_ones():
     (lambda: Recompute(num_layers=0), "recompute_num_layers=0; expected a positive layer count"),
     (lambda: Offload(stream="yes"), "offload_stream='yes'; expected a bool"),
     (lambda: Offload(min_bytes=True), "offload_min_bytes=True; expected an int"),
-    (lambda: ActivationCache(format="e4m3"), "fp8_cache_format='e4m3'; valid values are"),
+    (lambda: ActivationCache(format="e4m3"),
+     "fp8_activation_cache_format='e4m3'; valid values are"),
     (lambda: MemoryPlan(budget=1.5), "memory_budget=1.5; expected bytes"),
     (lambda: MemoryPlan(recompute_budget=-1), "recompute_budget=-1; expected a fraction"),
     (lambda: Config(fp8=Recompute()), "fp8=Recompute(modules=(), "),
@@ -191,5 +192,6 @@ def test_cli_flags_cover_every_keyword_with_its_groups_help():
     assert list(flags) == list(SHORTHAND)
     assert flags["kernels"].convert("te") == "te"
     assert flags["offload_min_bytes"].help.startswith("Saved tensors smaller than this are never "
-                                                      "offloaded. (default: 1048576)")
+                                                      "offloaded. ")
+    assert flags["offload_min_bytes"].help.endswith("(default: 1048576)")
     assert flags["fp8_exclude"].help.endswith("(default: output,lm_head,*.gate,*.router)")

@@ -73,10 +73,11 @@ def test_fp8_by_name_is_the_backend_by_hand(monkeypatch):
     ("", {}),
     ("fp8=tensorwise kernels=reference", {"fp8": "tensorwise", "kernels": "reference"}),
     ("fp8=tensorwise;recompute=core_attn,act", {"fp8": "tensorwise", "recompute": ("core_attn", "act")}),
-    ("memory=none recompute_budget=0.05 offload=true", {"memory": None, "recompute_budget": 0.05,
-                                                        "offload": True}),
-    ('{"fp8": "tensorwise", "fp8_exclude": ["output"], "recompute_budget": null}',
-     {"fp8": "tensorwise", "fp8_exclude": ("output",), "recompute_budget": None}),
+    ("memory_planner=none planner_recompute_budget=0.05 offload=true",
+     {"memory_planner": None, "planner_recompute_budget": 0.05,
+      "offload": True}),
+    ('{"fp8": "tensorwise", "fp8_exclude": ["output"], "planner_recompute_budget": null}',
+     {"fp8": "tensorwise", "fp8_exclude": ("output",), "planner_recompute_budget": None}),
 ])
 def test_variable_syntax(text, expected):
     assert env_options(text) == expected

@@ -1,5 +1,5 @@
 """The FP8 activation cache's two graph ops: ``graphpass::cache_quantize`` and
-``graphpass::cache_dequantize`` (``Config.fp8_cache``).
+``graphpass::cache_dequantize`` (``Config.fp8_activation_cache``).
 
 A saved activation of any shape is stored as FP8 data of the same shape plus fp32 scales, and the
 backward reads it back dequantized to its original dtype. Stateless, with fake implementations,
@@ -7,7 +7,7 @@ as separate nodes: torch's min-cut sees (and counts) the 1-byte data and the rep
 The arithmetic is :mod:`graphpass.fp8.recipes`' (TE's), on the tensor viewed as rows of its last
 dimension.
 
-Formats (``Config.fp8_cache_format``) and the error of one element ``x`` (``x̂`` its dequantized
+Formats (``Config.fp8_activation_cache_format``) and the error of one element ``x`` (``x̂`` its dequantized
 value, ``s`` the scale its block or tensor was multiplied by, ``1/s`` the stored ``scale_inv``),
 for finite inputs:
 

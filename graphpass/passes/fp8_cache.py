@@ -46,11 +46,11 @@ BY = "fp8_cache"
 
 def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config,
               partitioner: TrialPartitioner) -> None:
-    if config.fp8_cache is None:
+    if config.fp8_activation_cache is None:
         return
     saved, recomputed = partitioner.saves(joint)
-    selected = _select(joint, saved, config.fp8_cache, plan.parameters)
-    plan.count("fp8_cache", config.fp8_cache, len(selected))
+    selected = _select(joint, saved, config.fp8_activation_cache, plan.parameters)
+    plan.count("fp8_cache", config.fp8_activation_cache, len(selected))
     graph = joint.graph
     copies = _lowered_copies(joint)
     small, cached = [], {}
@@ -59,16 +59,16 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config,
         if why:
             plan.decide(Decision(What.NOT_CACHED, BY, f"{node.name} in {module_path(node) or '<root>'}"
                                  f": {why}", module_path(node), node.name))
-        elif _nbytes(node) < config.fp8_cache_min_bytes:
+        elif _nbytes(node) < config.fp8_activation_cache_min_bytes:
             small.append(node)
         elif node in copies:
             cached[node] = _reuse(graph, node, *copies[node])
         else:
-            cached[node] = _insert(graph, node, config.fp8_cache_format)
+            cached[node] = _insert(graph, node, config.fp8_activation_cache_format)
     if small:
         plan.decide(Decision(What.NOT_CACHED, BY, (
             f"{len(small)} saved tensor(s) below fp8_cache_min_bytes="
-            f"{config.fp8_cache_min_bytes:,} ({sum(map(_nbytes, small)):,} B in all)")))
+            f"{config.fp8_activation_cache_min_bytes:,} ({sum(map(_nbytes, small)):,} B in all)")))
     if cached:
         _read_in_backward(graph, cached, recomputed, plan)
     graph.lint()
@@ -113,17 +113,17 @@ def _still_exact(joint: fx.GraphModule, plan: Plan, config: Config, saved: list[
     the backward reads them again after the rewrite; ``undone``: cached tensors whose cache was
     undone for that). Each one is a note; the cache does not chase it (a second rewrite could
     move the cut again)."""
-    if config.fp8_cache == "all":  # backward nodes that read no gradient, run in the forward
+    if config.fp8_activation_cache == "all":  # backward nodes that read no gradient, run in the forward
         for node in saved:
             if (is_backward(node) and tensor_val(node) is not None and not _not_cacheable(node, plan)
-                    and _nbytes(node) >= config.fp8_cache_min_bytes):
+                    and _nbytes(node) >= config.fp8_activation_cache_min_bytes):
                 plan.decide(Decision(What.NOT_CACHED, BY, (
                     f"{node.name} in {module_path(node) or '<root>'}: a backward node (it reads no "
                     "gradient) that torch's min-cut runs in the forward; the cache takes forward "
                     "tensors only"), module_path(node), node.name))
-    for node in _select(joint, saved, config.fp8_cache, plan.parameters):
+    for node in _select(joint, saved, config.fp8_activation_cache, plan.parameters):
         if (facts(node).cached is not None or _not_cacheable(node, plan)
-                or _nbytes(node) < config.fp8_cache_min_bytes):  # noted above
+                or _nbytes(node) < config.fp8_activation_cache_min_bytes):  # noted above
             continue
         why = ("torch's min-cut of the cached graph saves it exact" + (
             " (a backward recompute reads it), so the backward reads it exact too" if node in undone

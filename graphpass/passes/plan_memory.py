@@ -41,10 +41,10 @@ def plan_memory(joint: fx.GraphModule, plan: Plan, config: Config,
             candidates.append(node)
     if overruled:
         plan.decide(overruled_by_user("planner", overruled, CheckpointPolicy.MUST_SAVE))
-    if config.recompute_budget is None:
+    if config.planner_recompute_budget is None:
         return
     step = step_flops(joint)
-    budget = config.recompute_budget * step
+    budget = config.planner_recompute_budget * step
     cost = {n: node_flops(n) for n in candidates}
     total = sum(cost.values())
     # Everything left could be recomputed; if even that fits, the min-cut is free to choose.
@@ -55,4 +55,4 @@ def plan_memory(joint: fx.GraphModule, plan: Plan, config: Config,
         tag(node, CheckpointPolicy.MUST_SAVE)
         total -= cost[node]
     plan.decide(Decision(What.BUDGET, "planner", f"{total / max(step, 1):.3%} of the step's FLOPs "
-                         f"(budget {config.recompute_budget:.1%})"))
+                         f"(budget {config.planner_recompute_budget:.1%})"))

@@ -56,15 +56,15 @@ def save_original(joint: fx.GraphModule, plan: Plan, config: Config,
             columnwise.append(node)
     for col in columnwise:
         x, recipe, role, _ = col.args[:4]
-        policy = config.save_original
-        if any(fnmatch.fnmatchcase(module_path(col), p) for p in config.save_original_modules):
+        policy = config.fp8_save_original_input
+        if any(fnmatch.fnmatchcase(module_path(col), p) for p in config.fp8_save_original_input_modules):
             policy = "always"
         if policy == "always":
             for node in (col, *col.users):
                 set_partition_side(node, Side.MUST_BE_IN_BACKWARD)
         elif policy == "never" and (x, role, _offs(col)) in rowwise:
             merge_usages(joint.graph, rowwise[(x, role, _offs(col))], col)
-    if config.fp8_weight_once:
+    if config.fp8_save_quantized_weight:
         for w, by_usage in weights.items():
             _weight_once(joint.graph, plan, w, by_usage)
     joint.graph.lint()
