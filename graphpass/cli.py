@@ -208,6 +208,192 @@ def _load(path: str) -> Snapshot:
                        "'graphpass report --json' for one model and policy, or a snapshot file") from None
 
 
+# -- fit --------------------------------------------------------------------------------------------
+
+OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``141GB``, ``1.5 TiB`` or a number of bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS and unit:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: write bytes or a number with a unit ({', '.join(_UNITS)}), "
+            "such as 80GiB or 141GB")
+    return int(float(m.group(1)) * _UNITS[unit or "b"])
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    """Exit 0 when the step fits the device (with --search: when an option set fits), 1 when it
+    does not; bad input is a CLIError (exit 2)."""
+    import functools
+
+    import torch
+
+    from .job import models
+
+    given = {k.removeprefix("cfg_"): v for k, v in vars(args).items() if k.startswith("cfg_")}
+    try:
+        config = Config.from_options(**given)
+        parallel = _parallel(args, models)
+        sources = [x for x in (args.config, args.model_type, args.preset, args.model) if x is not None]
+        if len(sources) != 1:
+            raise CLIError("give one model: --config FILE, --model-type TYPE, --preset NAME or "
+                           "--model package.module:factory")
+        if args.model is not None and (args.overrides or args.search):
+            raise CLIError("--set and --search take a transformers config (--config, --model-type "
+                           "or --preset), not a factory")
+        hf = None if args.model else models.load_config(
+            config_file=args.config, model_type=args.model_type, preset=args.preset,
+            overrides=[models.parse_override(o) for o in args.overrides])
+    except (models.JobError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    optimizer = functools.partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=1e-4)
+    start = time.perf_counter()
+    with _fit_process_group(parallel.world_size):
+        try:
+            job = _fit_job(args, hf, parallel, models)
+        except models.JobError as e:
+            raise CLIError(str(e)) from None
+        what = (f"{job.name}; sequence {args.seq}, micro-batch {args.micro_batch_size} x "
+                f"{args.micro_batches}" if hf is not None else job.name)
+        print(f"graphpass fit: {what}; {_ranks(parallel)}; {args.optimizer}; "
+              f"{' '.join(f'{k}={show(v)}' for k, v in given.items()) or 'default options'}",
+              file=sys.stderr, flush=True)
+        est = _estimate(job, optimizer, config, args.micro_batches)
+        elapsed = time.perf_counter() - start
+        fits = est.fits(args.device_memory)
+        result = None
+        if args.search:
+            result = _search(args, hf, parallel, given, optimizer, models)
+    if args.json:
+        out: dict[str, Any] = {"model": job.name, "estimate": est.to_dict(), "notes": job.notes,
+                               "device_memory": args.device_memory, "fits": fits,
+                               "seconds": round(elapsed, 1)}
+        if result is not None:
+            out["search"] = [{"options": c.options.label(), "backend": c.options.backend_call(given),
+                              "peak_bytes": c.peak_bytes, "counted": c.counted,
+                              "layer_seconds": c.layer_seconds} for c in result.candidates]
+        print(json.dumps(out, indent=1))
+    else:
+        print(est)
+        for note in job.notes:
+            print(f"note: {note}")
+        verdict = "fits" if fits else "does not fit"
+        print(f"{verdict} in {format_bytes(args.device_memory)} "
+              f"({format_bytes(abs(est.headroom(args.device_memory)))} "
+              f"{'free' if fits else 'over'}; the allocator's fragmentation, the CUDA context and "
+              f"communication buffers are not counted); estimated in {elapsed:.0f} s")
+        if result is not None:
+            from .job.search import format_result
+
+            print()
+            print(format_result(result, given))
+    if result is not None:
+        return 0 if result.candidates else 1
+    return 0 if fits else 1
+
+
+def _parallel(args: argparse.Namespace, models: Any) -> Any:
+    tp = args.tp
+    world = args.world_size or (args.fsdp or 1) * tp
+    fsdp = args.fsdp or world // max(tp, 1)
+    return models.Parallel(world_size=world, fsdp=fsdp, tp=tp,
+                           reshard_after_forward=args.reshard_after_forward,
+                           mp=models.MixedPrecision(args.mp))
+
+
+@contextlib.contextmanager
+def _fit_process_group(world_size: int):
+    if world_size == 1:
+        yield
+        return
+    from .distributed import fake_process_group
+
+    with fake_process_group(world_size):
+        yield
+
+
+def _ranks(parallel: Any) -> str:
+    parts = [f"{parallel.world_size} rank(s)"]
+    if parallel.sharded:
+        parts.append(f"FSDP {parallel.fsdp}" + (f" x replicate {parallel.replicate}"
+                                                 if parallel.replicate > 1 else ""))
+    if parallel.tp > 1:
+        parts.append(f"TP {parallel.tp}")
+    return ", ".join(parts)
+
+
+def _fit_job(args: argparse.Namespace, hf: Any, parallel: Any, models: Any,
+             layers: int | None = None, micro_batch: int | None = None) -> Any:
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
+    if hf is None:
+        module, inputs = build_model(args.model, args.size, args.layers,
+                                     parallel.tp if parallel.tp > 1 else None)
+        return models.build_module(module, inputs, parallel=parallel, name=args.model)
+    if layers is not None:
+        hf = models.with_layers(hf, layers)
+    return models.build_hf(hf, seq=args.seq, micro_batch=micro_batch or args.micro_batch_size,
+                           parallel=parallel, dtype=dtype)
+
+
+def _estimate(job: Any, optimizer: Any, config: Config, micro_batches: int) -> Any:
+    from .job.estimate import EstimateError, estimate
+
+    try:
+        return estimate(job.model, *job.inputs, optimizer=optimizer, config=config,
+                        micro_batches=micro_batches, **job.input_kwargs)
+    except EstimateError as e:
+        raise CLIError(f"{job.name}: {e}") from None
+
+
+def _search(args: argparse.Namespace, hf: Any, parallel: Any, given: dict[str, Any],
+            optimizer: Any, models: Any) -> Any:
+    from .job import search
+
+    kinds = models.layer_kinds(hf, parallel=parallel)
+    moe = len(kinds.kinds) > 1 or any(
+        getattr(hf, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    pair = search.scaling_layers(hf)
+    notes = []
+
+    def estimate(options: Any) -> Any:
+        config = Config.from_options(**options.backend_options(given))
+        if pair is None:
+            job = _fit_job(args, hf, parallel, models, micro_batch=options.micro_batch)
+            return _estimate(job, optimizer, config, options.micro_batches)
+        ests = [(n, _estimate(_fit_job(args, hf, parallel, models, layers=n,
+                                       micro_batch=options.micro_batch),
+                              optimizer, config, options.micro_batches)) for n in pair]
+        return search.scaled(ests[0], ests[1], hf.num_hidden_layers)
+
+    if pair is not None:
+        notes.append(f"the step estimated at {pair[0]} and {pair[1]} decoder layers and extended "
+                     f"linearly to {hf.num_hidden_layers}")
+
+    def progress(text: str) -> None:
+        print(f"  search: {text}", file=sys.stderr, flush=True)
+
+    problem = search.Problem(
+        layer_kinds=lambda mb: kinds.with_inputs(mb, args.seq), estimate=estimate, given=given,
+        micro_batch=args.micro_batch_size, micro_batches=args.micro_batches,
+        recompute_words=search.recompute_ladder(hf.model_type, moe), verify=args.count,
+        progress=progress)
+    try:
+        result = search.search(problem, args.device_memory)
+    except ValueError as e:
+        raise CLIError(f"search: {e}") from None
+    result.notes.extend(notes)
+    return result
+
+
 def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -239,6 +425,58 @@ def parser() -> argparse.ArgumentParser:
     flags = config_flags()
     add_config_flags(r, flags)
     r.set_defaults(run=cmd_report, config_flags=flags)
+
+    f = sub.add_parser(
+        "fit", help="will a training job fit: its peak per device, and with --search the fastest "
+                    "options that fit",
+        description="Predict one training step's peak memory per device (graphpass.estimate, on "
+                    "fake tensors and torch's fake process group: no weights, no GPU, no network) "
+                    "of a transformers model built from its config, and whether it fits "
+                    "--device-memory. Exit status 0 when it fits (with --search: when an option "
+                    "set fits), 1 when it does not, 2 on bad input.")
+    src = f.add_argument_group("model (one of)")
+    src.add_argument("--config", metavar="CONFIG.json", help="a transformers config.json")
+    src.add_argument("--model-type", metavar="TYPE", help="a transformers model type (llama, mixtral, "
+                     "qwen3_moe, deepseek_v3, ...) with its defaults and --set overrides")
+    src.add_argument("--preset", metavar="NAME", help="a config shipped with graphpass: "
+                     "llama-3-8b, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3")
+    src.add_argument("--model", metavar="package.module:factory",
+                     help="a factory returning (model, example_inputs), as 'graphpass report' takes")
+    src.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config field (e.g. --set num_hidden_layers=4); repeat")
+    src.add_argument("--size", default="real", help="size passed to a factory (default real)")
+    src.add_argument("--layers", type=int, default=None, help="layers passed to a factory")
+    job = f.add_argument_group("job")
+    job.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    job.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch "
+                     "(default 1)")
+    job.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer "
+                     "step: gradient accumulation (default 1)")
+    job.add_argument("--world-size", type=int, default=None, help="ranks (default fsdp x tp)")
+    job.add_argument("--fsdp", type=int, default=None, help="FSDP2 degree (default world size / tp)")
+    job.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    job.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                     help="FSDP2 frees each layer's gathered parameters after its forward "
+                          "(default true)")
+    job.add_argument("--mp", choices=("none", "bf16"), default="none",
+                     help="FSDP2's MixedPrecisionPolicy: bf16 computes fp32 parameters in bf16 "
+                          "and reduces gradients in fp32 (default none)")
+    job.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                     help="the parameters' dtype (default bf16; fp32 under --mp bf16)")
+    job.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                     help="the optimizer (default adamw)")
+    job.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"),
+                     metavar="SIZE", help="memory of one device: 80GiB, 141GB, bytes (default 80GiB)")
+    f.add_argument("--search", action="store_true",
+                   help="list the option sets that fit (FP8 recipe, recompute, offload, weight "
+                        "cache, micro-batch size), fastest first by the roofline, and print the "
+                        "best as a graphpass.backend(...) call")
+    f.add_argument("--count", type=int, default=2, metavar="N",
+                   help="with --search: count the N fastest that fit with graphpass.estimate "
+                        "itself (default 2; the others are predicted)")
+    f.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    add_config_flags(f, flags)
+    f.set_defaults(run=cmd_fit, config_flags=flags)
 
     d = sub.add_parser("diff", help="what changed between two reports; exit 1 when activation bytes grew",
                        description="Rows added, removed and changed between two reports (JSON from "
