@@ -84,7 +84,12 @@ def _uncast(node: fx.Node) -> fx.Node:
 
 def gathered_from(node: fx.Node) -> fx.Node | None:
     """The tensor ``node`` all-gathers, where ``node`` is ``wait_tensor(all_gather_into_tensor(
-    x, ...))`` (dim 0, as the functional collective gathers): ``x``; else None."""
+    x, ...))`` (dim 0, as the functional collective gathers), or its first rows (uneven shards:
+    DTensor pads each to the largest and slices the padding off the gathered tensor): ``x``;
+    else None."""
+    if (op_name(node) == "aten.slice" and isinstance(node.args[0], fx.Node)
+            and tuple(node.args[1:3]) == (0, 0) and gathered_from(node.args[0]) is not None):
+        node = node.args[0]
     if op_name(node) not in COLLECTIVE_WAITS or not isinstance(node.args[0], fx.Node):
         return None
     gather = node.args[0]
@@ -101,10 +106,27 @@ def _unscatter(node: fx.Node) -> fx.Node:
             node = node.args[0]
         elif (op_name(node) in COLLECTIVE_WAITS and isinstance(node.args[0], fx.Node)
               and op_name(node.args[0]) == "_c10d_functional.reduce_scatter_tensor"):
-            node = node.args[0].args[0]
+            node = _unpadded(node.args[0].args[0])
         else:
             break
     return node
+
+
+def _unpadded(node: fx.Node) -> fx.Node:
+    """``x`` where ``node`` is x's dim-0 pieces concatenated, the last ones zero-padded (DTensor
+    reduce-scatters a gradient of uneven shards so: ``cat([split(x)[0], ...,
+    constant_pad_nd(split(x)[-1])])``); else ``node``."""
+    if op_name(node) != "aten.cat" or (len(node.args) > 1 and node.args[1] != 0):
+        return node
+    bases = set()
+    for piece in node.args[0]:
+        if op_name(piece) == "aten.constant_pad_nd" and piece.args[2:3] in ((), (0.0,), (0,)):
+            piece = piece.args[0]
+        if op_name(piece) != "getitem" or op_name(piece.args[0]) not in ("aten.split",
+                                                                          "aten.split_with_sizes"):
+            return node
+        bases.add(piece.args[0].args[0])
+    return bases.pop() if len(bases) == 1 else node
 
 
 def _is_2d_transpose(node: fx.Node) -> bool:

@@ -39,14 +39,15 @@ import torch.fx as fx
 from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, What
-from ..fp8.ops import AMAX
+from ..fp8.ops import AMAX, QUANTIZE
 from ..graph.collectives import gathered_parameter
 from ..graph.joint import Side, partition_side, set_partition_side
 from ..graph.nodes import module_path, op_name
-from ..graph.ops import CASTS, COLLECTIVE_GATHERS
+from ..graph.ops import CASTS, COLLECTIVE_GATHERS, COLLECTIVE_WAITS, GATHER_LAYOUT
 from .fp8_all_gather import match_gather, quantize_before_gather
 from .partitioner import TrialPartitioner
 
+_PLUMBING = COLLECTIVE_GATHERS | COLLECTIVE_WAITS | GATHER_LAYOUT | {"getitem", "aten.slice"}
 _Found = tuple[fx.Node, fx.Node, list[fx.Node], list[fx.Node]]  # gather, wait, path, quantizes
 
 
@@ -59,6 +60,11 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
                and gathered_parameter(n, plan.parameters) is not None]
     todo: list[_Found] = []
     for gather in gathers:
+        padded = _padded(gather)
+        if padded:
+            plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", padded, _module(gather)),
+                        once=True)
+            continue
         found = match_gather(gather)
         if isinstance(found, str):
             if found:  # "": no quantize reads it (a norm's weight): not a lowered weight
@@ -102,17 +108,36 @@ def _decided(plan: Plan, quantizes: list[fx.Node], reduced: str) -> None:
 
 
 def _module(gather: fx.Node) -> str:
-    """The module a gathered weight belongs to: the first of its readers that names one."""
-    todo, seen = [gather], set()
+    """The module a gathered weight belongs to: that of the first of its readers past the
+    collective and the layout ops (a quantize, a GEMM, an embedding; the gather itself belongs
+    to SimpleFSDP's parametrization)."""
+    todo, seen = [gather], {gather}
     while todo:
         node = todo.pop(0)
-        if module_path(node):
+        if node is not gather and op_name(node) not in _PLUMBING:
             return module_path(node)
         for user in node.users:
             if user not in seen:
                 seen.add(user)
                 todo.append(user)
     return ""
+
+
+def _padded(gather: fx.Node) -> str:
+    """Why not, where the gathered weight is read through a slice of its first rows: uneven
+    shards, each padded to the largest, the padding sliced off after the gather (a tensorwise
+    quantize of the shard would read the padding's zeros too; not done). "" otherwise, or where
+    no quantize reads it."""
+    wait = next(iter(gather.users), None)
+    users = [u for u in wait.users] if wait is not None else []
+    if (len(users) != 1 or op_name(users[0]) != "aten.slice"
+            or tuple(users[0].args[1:3]) != (0, 0)
+            or not any(u.target is QUANTIZE for u in users[0].users)):
+        return ""
+    rows, padded = users[0].meta["val"].shape[0], wait.meta["val"].shape[0]
+    return (f"weight: uneven shards ({rows} rows over {gather.args[1]} ranks, gathered as "
+            f"{padded} with each shard padded and the padding sliced off after the all-gather): "
+            f"the all-gather moves {_dtype(gather)}, quantized after it")
 
 
 def _why_not(gather: fx.Node, why: str) -> str:

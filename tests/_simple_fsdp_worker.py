@@ -1,0 +1,128 @@
+"""One rank of ``tests/test_simple_fsdp_gloo.py``: torchtitan's SimpleFSDP over gloo.
+
+    python tests/_simple_fsdp_worker.py simple_fsdp OUT_DIR RANK WORLD STORE
+
+The tiny Llama language model (1 block, hidden 256, vocabulary 256) in float32, wrapped by
+SimpleFSDP's ``data_parallel(mode="fully_shard")`` with torchtitan's mixed-precision policy
+(bf16 parameters for the compute, fp32 gradient reduction), compiled whole with graphpass FP8
+(tensorwise, reference kernels, eager codegen), 3 SGD steps, once with the weights' FP8
+all-gather (``fp8_weight_all_gather=True``) and once without. A dispatch mode records every
+collective the compiled step calls (op, dtype, shape, bytes). Each rank writes
+``OUT_DIR/simple_fsdp-<rank>.pt``; the test compares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import graphpass  # noqa: E402
+
+try:
+    from graphpass.models import llama
+except ImportError:  # before the reference models moved into the package
+    from examples import llama
+
+STEPS = 3
+LR = 0.5
+BATCH = 4  # the global batch; each rank takes BATCH // world rows
+COLLECTIVES = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
+
+
+class Recorder(TorchDispatchMode):
+    """Every functional collective called while it is on: (op, input dtype, input shape,
+    output dtype, output bytes), in call order."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # dynamo runs the compiled code under it (it skips frames under other modes)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str, tuple, str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in COLLECTIVES:
+            x = args[0]
+            self.calls.append((name, str(x.dtype).removeprefix("torch."), tuple(x.shape),
+                               str(out.dtype).removeprefix("torch."),
+                               out.numel() * out.element_size()))
+        return out
+
+
+class LM(nn.Module):
+    """The language model and its loss, one graph."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
+
+
+def _run(rank: int, world: int, weight_all_gather: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.experiments.graph_trainer.simple_fsdp import (MixedPrecisionPolicy,
+                                                                   data_parallel)
+
+    torch._dynamo.reset()
+    model, (tokens,) = llama.build("tiny_lm", layers=1, batch=BATCH, dtype=torch.float32)
+    targets = torch.randint(0, 256, tokens.shape, generator=torch.Generator().manual_seed(1))
+    mesh = init_device_mesh("cpu", (world,))
+    model = data_parallel(model, mesh, mode="fully_shard", mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    backend = graphpass.backend(codegen="eager", fp8="tensorwise", kernels="reference",
+                                fp8_weight_all_gather=weight_all_gather)
+    step = torch.compile(LM(model), backend=backend)
+    local = [t.chunk(world)[rank] for t in (tokens, targets)]
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+    losses, grads, calls = [], [], []
+    for i in range(STEPS):
+        opt.zero_grad()
+        recorder = Recorder()
+        # the first step compiles, unrecorded; the others run the compiled code, recorded
+        with recorder if i else contextlib.nullcontext():
+            loss = step(*local)
+            loss.backward()
+        calls.append(recorder.calls)
+        losses.append(loss.detach())
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        opt.step()
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    (report,) = backend.partitioner.reports
+    return dict(losses=losses, grads=grads, params=params, calls=calls, shapes=shapes,
+                notes=list(report.notes))
+
+
+def simple_fsdp(rank: int, world: int, out: str) -> None:
+    results = {on: _run(rank, world, on) for on in (True, False)}
+    torch.save(results, os.path.join(out, f"simple_fsdp-{rank}.pt"))
+
+
+def main(argv: list[str]) -> None:
+    scenario, out, rank, world, store = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
+    torch.set_num_threads(1)  # both ranks sum in the same order
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        globals()[scenario](rank, world, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
