@@ -54,3 +54,24 @@ def fsdp_all_gather_extension() -> bool:
     except ImportError:
         return False
     return hasattr(FSDPParam, "_init_extensions")
+
+
+def fsdp_param_dtypes(model: torch.nn.Module) -> dict[int, Any]:
+    """The dtype FSDP2 all-gathers each parameter of ``model`` in, by ``id`` of its sharded
+    parameter: its ``MixedPrecisionPolicy.param_dtype``, or None for the parameter's own dtype
+    (read from each ``fully_shard`` module's parameter group; empty where that is not found)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    out: dict[int, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        if group is None:
+            continue
+        dtype = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            out[id(fsdp_param.sharded_param)] = dtype
+    return out

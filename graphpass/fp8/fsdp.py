@@ -300,11 +300,11 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     reduced (max) over its data-parallel group in one all-reduce per group, kept for the next
     all-gathers. Returns how many weights. A weight that changes after this call reduces its
     own amax again before its all-gather (with a warning), so a late or forgotten call costs
-    all-reduces, never a stale scale. Before the first all-gather (when FSDP2's
-    ``param_dtype``, in which the amax is taken, is not known yet) it reduces nothing: the
-    first all-gather reduces each weight's amax itself."""
+    all-reduces, never a stale scale. Call it after ``fully_shard`` too, so that the first
+    all-gathers find their amaxes reduced (the amax is taken in FSDP2's ``param_dtype``)."""
     groups: dict[Any, list[tuple[FP8GatherShard, torch.dtype]]] = {}
     p_version: dict[int, int] = {}
+    dtypes = _compat.fsdp_param_dtypes(model)
     for p in model.parameters():
         local = getattr(p, "_local_tensor", p)
         if not isinstance(local, FP8GatherShard) or local._state.fallback is not None:
@@ -315,8 +315,10 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
                              "weights are not sharded yet: call it after fully_shard (and "
                              "after each optimizer.step())")
         dtype = local._state.param_dtype
-        if dtype is None:  # not gathered yet: FSDP2's param_dtype is known at the first gather,
-            continue       # which reduces this weight's amax itself
+        if dtype is None and id(p) in dtypes:  # not gathered yet: FSDP2's MixedPrecisionPolicy
+            dtype = dtypes[id(p)] or local.dtype
+        if dtype is None:  # unknown: the first all-gather reduces this weight's amax itself
+            continue
         if local._state.param is None:
             local._state.param = weakref.ref(p)
         p_version[id(local)] = p._version
