@@ -167,3 +167,87 @@ def test_hf_model_matches_real_step(name, build, optimizer):
     ids = _ids()
     est = _check(build(), (), optimizer=optimizer, options=EAGER, input_ids=ids, labels=ids)
     assert est.breakdown[Part.LOGITS_AND_LOSS] >= 0
+
+
+# --- what the estimate says of its input ---------------------------------------------------
+
+
+class _ReadsData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if y.sum().item() > 0 else y  # a branch on a value
+
+
+def test_data_dependent_model_is_a_clear_error():
+    with pytest.raises(EstimateError, match="cannot run on fake tensors.*reads a tensor's values"):
+        estimate(_ReadsData(), torch.randn(4, 16), optimizer=SGD)
+
+
+def test_optimizer_it_does_not_check_is_a_note():
+    est = estimate(nn.Linear(16, 16), torch.randn(4, 16), optimizer=torch.optim.Adagrad)
+    assert any("optimizer Adagrad is not one graphpass checks" in n for n in est.notes), est.notes
+    assert est.breakdown[Part.OPTIMIZER_STATE] > 0
+
+
+def test_default_loss_is_a_note():
+    est = estimate(nn.Linear(16, 16), torch.randn(4, 16), optimizer=None)
+    assert any(n.startswith("loss: output.float().mean()") for n in est.notes), est.notes
+    assert any(n.startswith("no optimizer") for n in est.notes)
+    assert est.phase_peak(Phase.OPTIMIZER_STEP) is None
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)),
+     "not an optimizer already built"),
+    (dict(optimizer=SGD, micro_batches=0), "micro_batches must be a positive int"),
+    (dict(optimizer=lambda params: object()), "not a torch.optim.Optimizer"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    with pytest.raises(EstimateError, match=message):
+        estimate(nn.Linear(16, 16), torch.randn(4, 16), **kwargs)
+
+
+def test_output_without_loss_is_a_clear_error():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(x), x
+
+    with pytest.raises(EstimateError, match="pass loss_fn="):
+        estimate(Pair(), torch.randn(4, 16), optimizer=SGD)
+
+
+def test_result_reads():
+    """The result's text, dict and fits(): every part named, the peak where it is."""
+    est = estimate(Block(), _ids(), optimizer=ADAMW, loss_fn=_cross_entropy)
+    text = str(est)
+    assert text.startswith("step peak (predicted): ") and "optimizer state" in text
+    d = est.to_dict()
+    assert d["peak_bytes"] == est.peak_bytes and d["phase"] == est.phase.value
+    assert est.fits(est.peak_bytes) and not est.fits(est.peak_bytes - 1)
+    assert est.fits(est.peak_bytes + 10, reserve_bytes=10)
+    assert est.headroom(est.peak_bytes + 5) == 5
+    assert max(p.bytes for p in est.phases) == est.peak_bytes
+
+
+def test_inductor_transients_are_estimated():
+    """Under codegen='inductor' each compiled graph's transients come from graphpass's model
+    of Inductor's code (a note says so), and no more than the graphs run as-is allocate."""
+    ids = _ids()
+    torch._dynamo.reset()
+    eager = estimate(Block(), ids, optimizer=SGD, loss_fn=_cross_entropy,
+                     config=graphpass.Config(codegen="eager"))
+    torch._dynamo.reset()
+    inductor = estimate(Block(), ids, optimizer=SGD, loss_fn=_cross_entropy,
+                        config=graphpass.Config(codegen="inductor"))
+    assert any(n.startswith("estimated: the transients of 1 compiled graph") for n in inductor.notes)
+    assert any(n.startswith("counted: 1 compiled graph") for n in eager.notes)
+    assert inductor.peak_bytes <= eager.peak_bytes
+    assert inductor.report is not None

@@ -19,7 +19,7 @@ both trackers' category enums are private and differ between them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -106,6 +106,8 @@ class _Recording:
 
     def mark_loss(self, output: Any) -> None:
         """Count the tensors of ``output`` (the model's output) as logits and loss."""
+        if isinstance(output, Mapping):  # a Hugging Face ModelOutput
+            output = list(output.values())
         for leaf in _compat.tree_leaves(output):
             if isinstance(leaf, torch.Tensor):
                 for st in untyped_storages(leaf):
