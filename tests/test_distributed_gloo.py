@@ -53,16 +53,18 @@ def _shared_run(scenario: str, tmp_path_factory) -> tuple[list[dict], dict]:
     return ranks, torch.load(out / f"{scenario}_ref.pt")
 
 
-def _run(scenario: str, out: Path, timeout: float = TIMEOUT, reference: bool = True) -> None:
+def _run(scenario: str, out: Path, timeout: float = TIMEOUT, reference: bool = True,
+         worker: Path = WORKER) -> None:
     """Both ranks of ``scenario`` and (``reference``) its one-process reference, at once, each
-    writing what it measured under ``out``; killed at ``timeout`` seconds."""
+    writing what it measured under ``out``; killed at ``timeout`` seconds. ``worker``: the
+    script each process runs (``worker SCENARIO OUT RANK WORLD STORE``)."""
     out.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     store = out / "store"
-    commands = {f"rank {r}": [sys.executable, str(WORKER), scenario, str(out), str(r), str(WORLD),
+    commands = {f"rank {r}": [sys.executable, str(worker), scenario, str(out), str(r), str(WORLD),
                               str(store)] for r in range(WORLD)}
     if reference:
-        commands["reference"] = [sys.executable, str(WORKER), f"{scenario}_ref", str(out)]
+        commands["reference"] = [sys.executable, str(worker), f"{scenario}_ref", str(out)]
     procs, logs = {}, {}
     for name, command in commands.items():
         logs[name] = out / f"{name.replace(' ', '')}.log"

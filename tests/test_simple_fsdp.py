@@ -1,0 +1,182 @@
+"""torchtitan's SimpleFSDP under graphpass FP8, planned on torch's fake process group: each
+lowered weight's in-graph all-gather moves FP8 bytes after one amax all-reduce for the graph's
+weights (passes/fp8_weight_all_gather.py), and the weights it leaves in bf16 get a note. The bits
+and the bytes the step actually gathers are checked on two gloo ranks in
+tests/test_simple_fsdp_gloo.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphpass
+from graphpass.distributed import fake_process_group
+from graphpass.report import format_bytes
+
+simple_fsdp = pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="needs torch.distributed")
+
+try:
+    from graphpass.models import llama
+except ImportError:  # before the reference models moved into the package
+    from examples import llama
+
+KiB = 1024
+# the tiny Llama's linears (hidden 256, 4 heads of 64, 2 KV heads, FFN 512): (module, shape)
+LINEARS = [("layers.0.self_attn.q_proj", (256, 256)), ("layers.0.self_attn.k_proj", (128, 256)),
+           ("layers.0.self_attn.v_proj", (128, 256)), ("layers.0.self_attn.o_proj", (256, 256)),
+           ("layers.0.mlp.gate_proj", (512, 256)), ("layers.0.mlp.up_proj", (512, 256)),
+           ("layers.0.mlp.down_proj", (256, 512))]
+# the weights SimpleFSDP gathers that are not a lowered linear's: the embedding, the norms, the
+# output head (kept in bf16 by fp8_exclude's default)
+OTHERS = [("tok_embeddings", (256, 256)), ("layers.0.input_layernorm", (256,)),
+          ("layers.0.post_attention_layernorm", (256,)), ("norm", (256,)), ("output", (256, 256))]
+
+
+class LM(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, targets):
+        logits = self.model(tokens).float().flatten(0, 1)
+        return nn.functional.cross_entropy(logits, targets.flatten())
+
+
+class MLP(nn.Module):
+    def __init__(self, ffn: int = 512) -> None:
+        super().__init__()
+        self.up = nn.Linear(256, ffn, bias=False)
+        self.down = nn.Linear(ffn, 256, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _plan_llama(world: int = 2, **options) -> graphpass.Report:
+    """One rank of the tiny Llama LM (1 block, bf16) under SimpleFSDP's fully_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(world):
+        model, (tokens,) = llama.build("tiny_lm", layers=1, batch=2, dtype=torch.bfloat16)
+        model = simple_fsdp.data_parallel(model, init_device_mesh("cpu", (world,)),
+                                          mode="fully_shard")
+        return graphpass.plan(LM(model), tokens, torch.zeros_like(tokens), config=graphpass.Config(
+            codegen="eager", kernels="reference", **options))
+
+
+def _plan_mlp(world: int = 2, ffn: int = 512, **options) -> graphpass.Report:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(world):
+        model = simple_fsdp.data_parallel(MLP(ffn).to(torch.bfloat16),
+                                          init_device_mesh("cpu", (world,)), mode="fully_shard")
+        x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+        return graphpass.plan(model, x, config=graphpass.Config(
+            codegen="eager", kernels="reference", **options))
+
+
+def _weight_notes(report: graphpass.Report) -> list[str]:
+    return [n for n in report.notes if n.startswith("weight all-gather: ")]
+
+
+def _gathered(shape: tuple, size: int) -> str:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return format_bytes(numel * size)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_simple_fsdp_weights_gathered_in_fp8_after_one_amax_all_reduce(on):
+    """Tensorwise FP8: the 7 linears' weights gathered as FP8 bytes (half of bf16's) after ONE
+    all-reduce of their 7 amaxes; the embedding, norms and output head gathered in bf16 as
+    before; the backward's reduce-scatters untouched; the same saved bytes either way.
+    ``fp8_weight_all_gather=False``: every gather bf16, each lowered weight with a note."""
+    report = _plan_llama(fp8="tensorwise", fp8_weight_all_gather=on)
+    notes = report.notes
+    fp8_bytes = sum(n * k for _, (n, k) in LINEARS)
+    other_bytes = 2 * (256 * 256 * 2 + 3 * 256)
+    gathered = other_bytes + fp8_bytes * (1 if on else 2)
+    reduce = ", all_reduce x1 (28 B out)" if on else ""
+    assert (f"collectives in the forward: all_gather_into_tensor x12 ({format_bytes(gathered)} "
+            f"out){reduce}") in notes
+    # bf16 gradients, reduce-scattered to this rank's half of each: as many bytes as elements
+    assert (f"collectives in the backward: reduce_scatter_tensor x12 "
+            f"({format_bytes(other_bytes // 2 + fp8_bytes)} out)") in notes
+    moved = "float8_e4m3fn (as uint8)" if on else "bfloat16"
+    want = [f"weight all-gather: model.{m}.weight: forward, {s}, bfloat16, {_gathered(s, 2)} "
+            "per step" for m, s in OTHERS]
+    want += [f"weight all-gather: model.{m}.weight: forward, {s}, {moved}, "
+             f"{_gathered(s, 1 if on else 2)} per step" for m, s in LINEARS]
+    assert sorted(_weight_notes(report)) == sorted(want)
+    if on:
+        fp8 = [f"fp8 all-gather: model.{m}: weight, forward: quantized shard by shard with the "
+               "whole weight's amax (one all-reduce (max) of the amaxes of 7 weights), the "
+               "all-gather moves FP8 bytes; dgrad's columnwise copy is the gathered copy "
+               "transposed" for m, _ in LINEARS]
+    else:
+        fp8 = [f"fp8 all-gather: not for model.{m}: weight: off (fp8_weight_all_gather=False): "
+               "the all-gather moves bfloat16, quantized after it" for m, _ in LINEARS]
+    assert [n for n in notes if n.startswith("fp8 all-gather")] == fp8
+    assert sum(n.startswith("lowered: ") for n in notes) == 7
+    assert any(n.startswith("fp8 under FSDP in the graph (SimpleFSDP): ") for n in notes)
+    assert not any(n.startswith("fp8 under tensor parallelism") for n in notes)
+
+
+def test_weight_all_gather_saves_the_same_bytes():
+    """The FP8 all-gather of the weights changes what is communicated, not what is saved: the
+    backward's dgrad copies are FP8 either way (the gathered copy transposed, or the gathered
+    bf16 weight quantized)."""
+    on, off = (_plan_mlp(fp8="tensorwise", fp8_weight_all_gather=v) for v in (True, False))
+    assert on.activation_bytes == off.activation_bytes
+    assert "collectives in the forward: all_gather_into_tensor x2 (256.00 KiB out), all_reduce x1 (8 B out)" in on.notes
+    assert "collectives in the forward: all_gather_into_tensor x2 (512.00 KiB out)" in off.notes
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_weight_all_gather_stays_bf16_where_scale_blocks_cross_the_shards(recipe):
+    """Per-row and per-block scales: dgrad's columnwise copy of a [out, in] weight scales along
+    dim 0, which FSDP shards: the gather stays bf16 and is quantized after, with a note."""
+    report = _plan_mlp(fp8=recipe)
+    assert [n for n in report.notes if n.startswith("fp8 all-gather")] == [
+        f"fp8 all-gather: not for {m}: weight: {recipe} scales: dgrad's columnwise copy scales "
+        "along dim 0, which FSDP shards, so its scale blocks cross the shards; the FP8 all-gather "
+        "of weights is tensorwise only: the all-gather moves bfloat16, quantized after it"
+        for m in ("up", "down")]
+    assert sorted(_weight_notes(report)) == [
+        "weight all-gather: down.weight: forward, (256, 512), bfloat16, 256.00 KiB per step",
+        "weight all-gather: up.weight: forward, (512, 256), bfloat16, 256.00 KiB per step"]
+    assert sum(n.startswith("lowered: ") for n in report.notes) == 2
+
+
+def test_uneven_shards_stay_bf16_with_a_note():
+    """Bad input: 3 ranks over 512 and 256 rows: DTensor pads each shard to the largest and slices
+    the padding off the gathered weight. The linears are lowered (all three GEMMs) on the bf16
+    gather, quantized after it, with a note; never a quantized padding."""
+    report = _plan_mlp(world=3, fp8="tensorwise")
+    assert [n for n in report.notes if n.startswith("fp8 all-gather")] == [
+        "fp8 all-gather: not for up: weight: uneven shards (512 rows over 3 ranks, gathered as 513 "
+        "with each shard padded and the padding sliced off after the all-gather): the all-gather "
+        "moves bfloat16, quantized after it",
+        "fp8 all-gather: not for down: weight: uneven shards (256 rows over 3 ranks, gathered as "
+        "258 with each shard padded and the padding sliced off after the all-gather): the "
+        "all-gather moves bfloat16, quantized after it"]
+    assert [n for n in report.notes if n.startswith("lowered: ")] == [
+        "lowered: up (reference/tensorwise)", "lowered: down (reference/tensorwise)"]
+    assert "collectives in the forward: all_gather_into_tensor x2 (514.50 KiB out)" in report.notes
+
+
+def test_weight_cache_says_a_gathered_weight_is_quantized_every_micro_batch():
+    """fp8_weight_cache=True: SimpleFSDP's weights are not parameters of the graph (their shards
+    are): each is quantized and gathered every micro-batch, with a note; the FP8 gather stays."""
+    with pytest.warns(graphpass.EmptySelectionWarning):
+        report = _plan_mlp(fp8="tensorwise", fp8_weight_cache=True)
+    assert [n for n in report.notes if n.startswith("fp8_weight_cache")] == [
+        f"fp8_weight_cache: not cached: {m}: the {s} weight is all-gathered in the graph "
+        "(SimpleFSDP), so its shard is quantized and gathered every micro-batch (caching the FP8 "
+        "shard once per optimizer step is not done)" for m, s in (("up", "512x256"),
+                                                                  ("down", "256x512"))]
+    assert sum(n.startswith("fp8 all-gather: ") for n in report.notes) == 2
