@@ -100,6 +100,7 @@ def estimate(model: nn.Module, *inputs: Any, optimizer: Optimizer | None,
             tracker._track_module_params_and_buffers(fake_model, install_grad_hooks=True)
         if graphs is not None:
             tracker.graph_source = graphs
+            graphs.runs.clear()
         with tracker:
             step.run(tracker)
     return _result(tracker, graphs, notes, micro_batches)
@@ -359,13 +360,13 @@ def _result(tracker: Any, graphs: EstimateGraphs | None, notes: list[str],
 
 
 def _graph_notes(graphs: EstimateGraphs) -> list[str]:
-    n = len(graphs.corrections)
+    runs, distinct = sum(graphs.runs.values()), len(graphs.corrections)
+    what = f"{runs} compiled graph run(s) ({distinct} distinct graph(s))"
     if graphs.config.codegen == "eager":
-        return [f"counted: {n} compiled graph(s) run as-is (codegen='eager'), every tensor "
-                "they allocate"]
-    return [f"estimated: the transients of {n} compiled graph(s) under Inductor's code, from "
-            "graphpass's step-peak model (graph/peak.py) in place of the graphs run as-is; "
-            "their saved activations are counted"]
+        return [f"counted: {what} run as-is (codegen='eager'), every tensor they allocate"]
+    return [f"estimated: the transients of {what} under Inductor's code, from graphpass's "
+            "step-peak model (graph/peak.py) in place of the graphs run as-is; their saved "
+            "activations are counted"]
 
 
 def _compute_device(samples: dict[tuple[str, Key], Sample]) -> str:
@@ -377,13 +378,14 @@ def _compute_device(samples: dict[tuple[str, Key], Sample]) -> str:
 
 
 def _step_time(graphs: EstimateGraphs | None) -> float | None:
-    """The compiled graphs' FLOPs at the roofline's bf16 peak (``graph/roofline.py``), where
-    graphpass compiled any."""
+    """The compiled graphs' FLOPs, each graph's times the forwards it ran in the step, at the
+    roofline's bf16 peak (``graph/roofline.py``), where graphpass compiled any."""
     if graphs is None or not graphs.reports:
         return None
     from ..graph.roofline import H100
 
-    flops = sum(r.meta.get("step_flops") or 0 for r in graphs.reports)
+    flops = sum((r.meta.get("step_flops") or 0) * graphs.runs.get(i, 0)
+                for i, r in enumerate(graphs.reports))
     return H100.compute(flops, 0) if flops else None
 
 

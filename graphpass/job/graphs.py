@@ -53,6 +53,7 @@ def _time(gm: fx.GraphModule, graph_pass: GraphPass, owner: "EstimateGraphs") ->
     forward: Callable[..., Any] = gm.forward
 
     def timed(*args: Any) -> Any:
+        owner.count(graph_pass)
         outer, owner.current = owner.current, graph_pass
         try:
             return forward(*args)
@@ -62,6 +63,15 @@ def _time(gm: fx.GraphModule, graph_pass: GraphPass, owner: "EstimateGraphs") ->
     gm.forward = timed  # type: ignore[method-assign]
 
 
+def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """What decides a graph's partition: its code and its inputs' shapes, strides and dtypes.
+    Dynamo traces each block of a model whose blocks it specializes (a Hugging Face layer's
+    ``layer_idx``) into a graph of its own; the graphs of identical blocks are one."""
+    metas = tuple((tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad, x.device.type)
+                  if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs)
+    return (gm.code, metas)
+
+
 class EstimateGraphs:
     """The torch.compile backend of ``graphpass.estimate`` (see the module's contract)."""
 
@@ -69,13 +79,26 @@ class EstimateGraphs:
         self.config = config
         self.partitioner = _Partitioner(config, self)
         self.current: GraphPass | None = None
+        self._compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self.runs: dict[int, int] = {}
+        """How many times each graph's forward ran (reset by the estimate before the step it
+        counts): a graph dynamo traced once per block runs once per block."""
         self.corrections: list[tuple[int, int]] = []
         """Per graph, in partition order: the bytes to add to its forward's and its backward's
         highest counted total."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        with input_sources(gm):
-            return eager_compile(gm, example_inputs, self.partitioner, runs=True)
+        key = _graph_key(gm, example_inputs)
+        if key not in self._compiled:  # a repeated block's graph: compiled and counted once
+            with input_sources(gm):
+                self._compiled[key] = eager_compile(gm, example_inputs, self.partitioner,
+                                                    runs=True)
+        return self._compiled[key]
+
+    def count(self, graph_pass: GraphPass) -> None:
+        """A forward of ``graph_pass``'s graph ran (``runs``)."""
+        if not graph_pass.backward:
+            self.runs[graph_pass.graph] = self.runs.get(graph_pass.graph, 0) + 1
 
     def correct(self, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
                 ) -> tuple[int, int]:
