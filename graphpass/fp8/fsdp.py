@@ -262,7 +262,7 @@ def _version(shard: FP8GatherShard, module: torch.nn.Module | None) -> int:
     param = state.param() if state.param is not None else None
     if param is None and module is not None:
         param = next((p for p in module.parameters()
-                      if getattr(p, "_local_tensor", None) is shard), None)
+                      if p is shard or getattr(p, "_local_tensor", None) is shard), None)
         if param is not None:
             state.param = weakref.ref(param)
     if param is None:

@@ -64,16 +64,18 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
     kept_heads = {f: (f"the output head ({how}); fp8_exclude's {' and '.join(map(repr, asked))} "
                       "keep it in high precision") for f, how in heads.items() if asked}
     slower = _slower_in_fp8(linears, config, plan, kept_heads)
+    any_flops = config.replace(fp8_min_gemm_flops=0)
     for lin in linears:
         head = heads.get(lin.fprop)
         reason = (why_not_lowered(lin, config) or kept_heads.get(lin.fprop)
                   or slower.get(lin.fprop))
-        if reason and reason == slower.get(lin.fprop) and op_name(lin.w) == FSDP_FP8_WEIGHT:
-            # FSDP2 gathered the weight in FP8 (fp8/fsdp.py): there is no bf16 weight to run
+        if (reason and op_name(lin.w) == FSDP_FP8_WEIGHT and lin.fprop not in kept_heads
+                and why_not_lowered(lin, any_flops) is None):
+            # a cost choice (the roofline, fp8_min_gemm_flops), but FSDP2 gathered the weight
+            # in FP8 (fp8/fsdp.py): there is no bf16 weight to run
             plan.decide(Decision(What.COST_NOT_JUDGED, "fp8", (
                 f"the weight arrives all-gathered in FP8 (graphpass.fsdp_fp8_weights), so the "
-                f"linear is lowered; the roofline would keep it in bf16: {reason}"), lin.module),
-                once=True)
+                f"linear is lowered; in bf16 otherwise: {reason}"), lin.module), once=True)
             reason = None
         if reason:
             plan.decide(Decision(What.NOT_LOWERED, "fp8", reason, lin.module), once=True)

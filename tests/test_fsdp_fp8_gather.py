@@ -1,0 +1,329 @@
+"""FSDP2's weight all-gathers in FP8 (``graphpass.fsdp_fp8_weights``, ``fp8/fsdp.py``,
+``passes/fsdp_fp8_weights.py``).
+
+On 2 gloo ranks (``tests/_gloo_fsdp_fp8_worker.py``, the harness of
+``tests/test_distributed_gloo.py``): the tiny Llama LM in float32 under
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, FP8 tensorwise, 3 SGD steps, per
+block and whole-model compile, with the weights all-gathered in bf16 and in FP8: the same bits,
+and the collectives each step ran, counted by a recorder around torch.distributed's calls. In one
+process (a 1-rank gloo group): the wrapper subclasses, the report's rows, bad input.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import graphpass
+from graphpass.distributed import FSDP_FP8_NOTE
+from graphpass.fp8 import recipes
+from graphpass.fp8.fsdp import FP8GatheredWeight, FP8GatherShard
+
+from _session import once
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+
+WORKER = Path(__file__).with_name("_gloo_fsdp_fp8_worker.py")
+ROOT = WORKER.parent.parent
+TIMEOUT = 240  # seconds for both ranks, compiles included
+WORLD = 2
+OPTIONS = dict(fp8="tensorwise", kernels="reference", codegen="eager")
+
+
+def _run(out: Path) -> None:
+    """Both ranks at once, killed at TIMEOUT (each process's last lines in the failure)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs, logs = {}, {}
+    for r in range(WORLD):
+        logs[r] = out / f"rank{r}.log"
+        with open(logs[r], "w") as log:
+            procs[r] = subprocess.Popen(
+                [sys.executable, str(WORKER), str(out), str(r), str(WORLD), str(out / "store")],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT
+    timed_out = []
+    for r, proc in procs.items():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out.append(r)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    failed = {r: p.returncode for r, p in procs.items() if p.returncode != 0}
+    if timed_out or failed:
+        tails = "\n".join(f"--- rank {r}:\n" + "\n".join(logs[r].read_text().splitlines()[-30:])
+                          for r in procs)
+        pytest.fail(f"timed out: {timed_out}; failed: {failed}\n{tails}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = once(tmp_path_factory, "gloo-fsdp-fp8", _run, timeout=3 * TIMEOUT)
+    return [torch.load(out / f"fsdp_fp8-{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["per_block", "whole_model"])
+def test_fsdp2_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks, whole):
+    """Losses at every step, gradients at every step (gathered with ``full_tensor()``) and the
+    parameters after 3 steps: the same bits with the weights all-gathered in FP8 as in bf16, on
+    both ranks, compiled per block and as a whole model. The gathered bytes are the bf16
+    weight quantized with the whole weight's amax, which graphpass's quantize of the gathered
+    weight gives."""
+    for r, rank in enumerate(ranks):
+        bf16, fp8 = rank[whole, False], rank[whole, True]
+        assert all(torch.equal(a, b) for a, b in zip(bf16["losses"], fp8["losses"])), r
+        for step, (a, b) in enumerate(zip(bf16["grads"], fp8["grads"])):
+            differ = [n for n in a if not torch.equal(a[n], b[n])]
+            assert not differ, (r, step, differ)
+        differ = [n for n in bf16["params"] if not torch.equal(bf16["params"][n], fp8["params"][n])]
+        assert not differ, (r, differ)
+        assert fp8["losses"][-1] < fp8["losses"][0] - 0.5  # it trains
+        assert fp8["warnings"] == []  # the scales were reduced after each step: none stale
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["per_block", "whole_model"])
+def test_fsdp2_fp8_weight_gathers_halve_the_lowered_weights_bytes(ranks, whole):
+    """Counted from the collectives each step ran (a recorder around torch.distributed's): each
+    block's all-gather (FSDP2 gathers a block's parameters in one call, before the forward and
+    again before the backward) moves 1 byte per element of its 7 linear weights instead of 2,
+    and 2 per element of its norms, as uint8; the root's (embedding, final norm, output head)
+    is unchanged; and the amaxes of the 14 FP8-gathered weights take one all-reduce per step
+    (after the optimizer step), none in the all-gathers."""
+    shapes = ranks[0][whole, True]["shapes"]
+    fp8_names = set(ranks[0][whole, True]["wrapped"][0])
+    assert len(fp8_names) == 14 and "output.weight" not in fp8_names
+    linears = sum(torch.Size(shapes[n]).numel() for n in fp8_names if n.startswith("layers.0."))
+    norms = sum(torch.Size(s).numel() for n, s in shapes.items()
+                if n.startswith("layers.0.") and n not in fp8_names)
+    root = sum(torch.Size(s).numel() for n, s in shapes.items() if not n.startswith("layers."))
+    for rank in ranks:
+        for bf16_calls, fp8_calls in zip(rank[whole, False]["calls"], rank[whole, True]["calls"]):
+            gathers = {k: sorted((str(d), b) for op, d, b in calls if op == "all_gather_into_tensor")
+                       for k, calls in (("bf16", bf16_calls), ("fp8", fp8_calls))}
+            block_bf16, block_fp8 = 2 * (linears + norms), linears + 2 * norms
+            assert gathers["bf16"] == [("torch.bfloat16", 2 * root)] + [
+                ("torch.bfloat16", block_bf16)] * 4
+            assert gathers["fp8"] == [("torch.bfloat16", 2 * root)] + [
+                ("torch.uint8", block_fp8)] * 4
+            assert [c for c in fp8_calls if c[0] == "all_reduce"] == [
+                ("all_reduce", torch.float32, 4 * 14)]
+            assert not [c for c in bf16_calls if c[0] == "all_reduce"]
+            # the gradients' reduce-scatters are the same (fp32, reduce_dtype)
+            scatters = [[c for c in calls if c[0] == "reduce_scatter_tensor"]
+                        for calls in (bf16_calls, fp8_calls)]
+            assert scatters[0] == scatters[1] and scatters[0]
+
+
+def test_fsdp2_fp8_weight_gathers_are_in_the_report(ranks):
+    """Each rank's report lists each weight FSDP2 all-gathers for the block, with the dtype it
+    moves and its bytes: the 7 linears FP8 (1 byte per element), the norms bf16; the FSDP2 note
+    says which are FP8; every linear is lowered and reads the gathered bytes."""
+    for rank in ranks:
+        (report,) = [r for r in rank[False, True]["reports"]
+                     if any(n.startswith("lowered:") for n in r["notes"])]
+        notes = report["notes"]
+        assert ("weight all-gather: self_attn.q_proj.weight: FSDP2 (before the graph), "
+                "(256, 256), float8_e4m3fn (as uint8) (graphpass.fsdp_fp8_weights), 64.00 KiB "
+                "each all-gather") in notes
+        assert ("weight all-gather: input_layernorm.weight: FSDP2 (before the graph), (256,), "
+                "bfloat16 (parameter dtype), 512 B each all-gather") in notes
+        gathers = [n for n in notes if n.startswith("weight all-gather:")]
+        assert len(gathers) == 9 and sum("float8_e4m3fn" in n for n in gathers) == 7
+        assert sum(n.startswith("lowered:") for n in notes) == 7
+        assert sum("FSDP2: all-gathered in FP8" in n for n in notes) == 7
+        assert FSDP_FP8_NOTE in notes
+        # the output head stays bf16, and fsdp_fp8_weights said why
+        assert rank[False, True]["wrapped"][1] == (
+            ("output.weight", "excluded by fp8_exclude pattern 'output'"),)
+
+
+# --- one process ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A 1-rank gloo process group (FSDP2 needs one)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 96, bias=False)
+        self.b = nn.Linear(96, 64)
+        self.norm = nn.LayerNorm(64)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(self.norm(x))))
+
+
+def _model(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return nn.Sequential(_Block(), _Block()).to(dtype)
+
+
+def _train(model, *, wrap, mp=None, backend_options=None, steps=2, precompute=True):
+    from torch.distributed.fsdp import fully_shard
+
+    config = graphpass.Config(**OPTIONS)
+    if wrap:
+        graphpass.fsdp_fp8_weights(model, config)
+    kw = {} if mp is None else dict(mp_policy=mp)
+    backend = graphpass.backend(**(backend_options or OPTIONS))
+    for block in model:
+        fully_shard(block, **kw)
+        block.compile(backend=backend)
+    fully_shard(model, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    losses = []
+    for _ in range(steps):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if wrap and precompute:
+            graphpass.precompute_fsdp_fp8_scales(model)
+        losses.append(loss.detach())
+    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}, backend
+
+
+def test_the_shard_wrapper_gathers_the_bits_of_quantizing_the_weight(group):
+    """fsdp_pre_all_gather / fsdp_post_all_gather on one rank: the gathered E4M3 bytes and scale
+    are graphpass's tensorwise quantize of the weight (rowwise), bit for bit; the shard wrapper
+    behaves as its tensor (the ops FSDP2 shards with keep it wrapped)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    w = torch.randn(96, 64)
+    linear = nn.Linear(64, 96, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    model = nn.Sequential(linear)
+    result = graphpass.fsdp_fp8_weights(model, graphpass.Config(**OPTIONS))
+    assert result.fp8 == ("0.weight",) and result.kept == ()
+    shard = linear.weight
+    assert isinstance(shard, FP8GatherShard) and isinstance(shard, nn.Parameter)
+    assert isinstance(shard.detach().chunk(2)[0], FP8GatherShard)
+    assert torch.equal(shard * 2, w * 2) and type(shard * 2) is torch.Tensor
+    mesh = init_device_mesh("cpu", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    inputs, meta = shard.fsdp_pre_all_gather(mesh, w.shape, w.stride(), model, mp)
+    (data,) = inputs
+    assert data.dtype == torch.uint8 and data.shape == w.shape
+    gathered, inner = shard.fsdp_post_all_gather((data,), meta, torch.bfloat16)
+    assert isinstance(gathered, FP8GatheredWeight) and gathered.dtype == torch.bfloat16
+    want_data, want_scale = recipes.quantize(w.to(torch.bfloat16), "tensorwise", "weight")
+    assert torch.equal(gathered._data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(gathered._scale_inv, want_scale)
+    # read outside a graph graphpass partitions: a clear error, never a dequantized weight
+    with pytest.raises(RuntimeError, match="read outside a graph compiled by graphpass"):
+        torch.relu(gathered)
+
+
+def test_one_rank_fp8_gathers_train_bit_identical_with_mixed_precision(group):
+    """One rank, fp32 parameters under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
+    2 steps with the FP8 gathers are the bits of the bf16 gathers. Without
+    precompute_fsdp_fp8_scales after the step, each changed weight reduces its own amax
+    before its all-gather (a warning, once): the same bits, never a stale scale."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    want = _train(_model(torch.float32), wrap=False, mp=mp)
+    torch._dynamo.reset()
+    got = _train(_model(torch.float32), wrap=True, mp=mp)
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0]))
+    assert all(torch.equal(want[1][n], got[1][n]) for n in want[1])
+    torch._dynamo.reset()
+    with pytest.warns(graphpass.FSDPFP8Warning, match="changed since its amax was reduced"):
+        stale = _train(_model(torch.float32), wrap=True, mp=mp, precompute=False)
+    assert all(torch.equal(want[1][n], stale[1][n]) for n in want[1])
+    notes = got[2].report().notes
+    assert ("weight all-gather: a.weight: FSDP2 (before the graph), (96, 64), float8_e4m3fn "
+            "(as uint8) (graphpass.fsdp_fp8_weights), 6.00 KiB each all-gather") in notes
+    assert ("weight all-gather: norm.weight: FSDP2 (before the graph), (64,), bfloat16 "
+            "(parameter dtype), 128 B each all-gather") in notes
+
+
+def test_a_cost_choice_does_not_keep_an_fp8_gathered_linear_in_bf16(group):
+    """fp8_min_gemm_flops (like the cost model's roofline, lower_fp8's other cost choice) would
+    keep these linears in bf16, but their weights arrive in FP8 (there is no bf16 weight to
+    run): lowered, with a note saying so."""
+    options = dict(OPTIONS, fp8_min_gemm_flops=10**12)
+    _, _, backend = _train(_model(), wrap=True, backend_options=options, steps=1)
+    notes = backend.report().notes
+    assert ("fp8_cost_model: not judged: a: the weight arrives all-gathered in FP8 "
+            "(graphpass.fsdp_fp8_weights), so the linear is lowered; in bf16 otherwise: GEMM of "
+            "393,216 FLOPs is below fp8_min_gemm_flops=1,000,000,000,000") in notes
+    assert "lowered: a (reference/tensorwise)" in notes
+
+
+def test_a_graph_that_reads_an_fp8_gathered_weight_otherwise_is_an_error(group):
+    """A backend whose fp8_exclude keeps a wrapped linear in bf16 (not the config
+    fsdp_fp8_weights was given) would read a dequantized weight: a clear error at compile
+    time naming the linear, never a silently different number."""
+    options = dict(OPTIONS, fp8_exclude=("b",))
+    with pytest.raises(Exception, match=r"the weight of b arrives all-gathered in FP8 by FSDP2"):
+        _train(_model(), wrap=True, backend_options=options, steps=1)
+
+
+def test_weights_not_gathered_in_fp8_are_said(group):
+    """Each case gathers in the parameter dtype, with a warning naming the reason: a recipe
+    other than tensorwise (its scales are per row or block), fp8_weight_all_gather=False, a
+    model sharded already (an error: wrap before fully_shard), a MixedPrecisionPolicy
+    param_dtype graphpass does not quantize (float64: the bits of the plain run)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    for options, why in ((dict(fp8="rowwise"), "fp8='rowwise': its scales are per row"),
+                         (dict(OPTIONS, fp8_weight_all_gather=False),
+                          "fp8_weight_all_gather=False")):
+        model = _model()
+        with pytest.warns(graphpass.FSDPFP8Warning, match=why):
+            result = graphpass.fsdp_fp8_weights(model, graphpass.Config(**options))
+        assert result.fp8 == () and len(result.kept) == 4
+        assert not any(isinstance(p, FP8GatherShard) for p in model.parameters())
+    model = _model()
+    fully_shard(model)
+    with pytest.raises(ValueError, match="call it before fully_shard"):
+        graphpass.fsdp_fp8_weights(model, graphpass.Config(**OPTIONS))
+    mp = MixedPrecisionPolicy(param_dtype=torch.float64)
+    want = _train(_model(torch.float32), wrap=False, mp=mp, backend_options=dict(codegen="eager"))
+    torch._dynamo.reset()
+    with pytest.warns(graphpass.FSDPFP8Warning, match="is all-gathered in torch.float64, not FP8"):
+        got = _train(_model(torch.float32), wrap=True, mp=mp,
+                     backend_options=dict(codegen="eager"))
+    assert all(torch.equal(want[1][n], got[1][n]) for n in want[1])
+
+
+def test_fp8_all_gather_is_a_deprecated_name_of_fp8_sequence_all_gather():
+    """The sequence-parallel option's old name still works, with a FutureWarning once."""
+    from graphpass import config as config_module
+
+    config_module._warned.discard("fp8_all_gather")
+    with pytest.warns(FutureWarning, match="fp8_all_gather is deprecated; use "
+                                           "fp8_sequence_all_gather"):
+        config = graphpass.Config(fp8="tensorwise", fp8_all_gather=False)
+    assert config.fp8_sequence_all_gather is False and config.fp8_all_gather is False
+    assert config.changed() == {"fp8": "tensorwise", "fp8_sequence_all_gather": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert graphpass.Config.from_options(fp8_all_gather=True).fp8_sequence_all_gather
+    with pytest.raises(ValueError, match="given together"):
+        graphpass.Config(fp8_all_gather=True, fp8_sequence_all_gather=False)
