@@ -270,7 +270,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         fits = est.fits(args.device_memory)
         result = None
         if args.search:
-            result = _search(args, hf, parallel, given, optimizer, models)
+            result = _search(args, hf, parallel, given, optimizer, models, est)
     if args.json:
         out: dict[str, Any] = {"model": job.name, "estimate": est.to_dict(), "notes": job.notes,
                                "device_memory": args.device_memory, "fits": fits,
@@ -355,7 +355,7 @@ def _estimate(job: Any, optimizer: Any, config: Config, micro_batches: int) -> A
 
 
 def _search(args: argparse.Namespace, hf: Any, parallel: Any, given: dict[str, Any],
-            optimizer: Any, models: Any) -> Any:
+            optimizer: Any, models: Any, counted: Any) -> Any:
     from .job import search
 
     kinds = models.layer_kinds(hf, parallel=parallel)
@@ -375,8 +375,9 @@ def _search(args: argparse.Namespace, hf: Any, parallel: Any, given: dict[str, A
         return search.scaled(ests[0], ests[1], hf.num_hidden_layers)
 
     if pair is not None:
-        notes.append(f"the step estimated at {pair[0]} and {pair[1]} decoder layers and extended "
-                     f"linearly to {hf.num_hidden_layers}")
+        notes.append(f"the job as given is counted at all {hf.num_hidden_layers} decoder layers; "
+                     f"other option sets at {pair[0]} and {pair[1]} layers, each phase's peak "
+                     f"extended linearly to {hf.num_hidden_layers}")
 
     def progress(text: str) -> None:
         print(f"  search: {text}", file=sys.stderr, flush=True)
@@ -386,6 +387,7 @@ def _search(args: argparse.Namespace, hf: Any, parallel: Any, given: dict[str, A
         micro_batch=args.micro_batch_size, micro_batches=args.micro_batches,
         recompute_words=search.recompute_ladder(hf.model_type, moe), verify=args.count,
         progress=progress)
+    problem.known[search.Options.as_given(given, args.micro_batch_size, args.micro_batches)] = counted
     try:
         result = search.search(problem, args.device_memory)
     except ValueError as e:

@@ -228,12 +228,13 @@ class FP8(_Group):
     Leave it on; ``False`` to compare with a high-precision all-gather."""
 
     weight_all_gather: bool = True
-    """With ``fp8="tensorwise"`` under FSDP2 (``fully_shard``): the weights that
-    ``graphpass.fsdp_fp8_weights(model, config)`` wraps before ``fully_shard`` are quantized
-    shard by shard with the amax of the whole weight and all-gathered as FP8 bytes, half the
-    bytes of a bf16 all-gather, the same FP8 bits as quantizing the gathered weight
-    (docs/distributed.md#fsdp2-weights-all-gathered-in-fp8). ``False``: that function wraps
-    nothing and every weight is all-gathered in the parameter dtype."""
+    """With ``fp8="tensorwise"``, FSDP's all-gathers of the weights graphpass lowers move FP8:
+    each shard quantized with the whole weight's amax (one all-reduce for all of them), half
+    the bytes of a bf16 all-gather, the same FP8 bits as quantizing the gathered weight. Under
+    FSDP2 (``fully_shard``), for the weights ``graphpass.fsdp_fp8_weights(model, config)`` wraps
+    before ``fully_shard`` (docs/distributed.md#fsdp2-weights-all-gathered-in-fp8); under
+    torchtitan's SimpleFSDP, in the graph. ``False``: the weights are all-gathered in the
+    parameter dtype and quantized after."""
 
     accumulate: FP8Accumulate = "te"
     """How the FP8 GEMMs accumulate: ``"te"`` (fast accumulation for the forward GEMM, split,

@@ -328,9 +328,27 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], parallel: Parallel, 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if parallel.mp is MixedPrecision.BF16 else MixedPrecisionPolicy())
     for block in blocks:
+        # FSDP2 gathers one dtype per group: modules kept in another dtype (DeepSeek-V3's fp32
+        # router) are groups of their own, as transformers keeps them
+        for module in _other_dtype_modules(block):
+            fully_shard(module, mesh=dp, reshard_after_forward=parallel.reshard_after_forward,
+                        mp_policy=mp)
         fully_shard(block, mesh=dp, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp)
     # the root's parameters (embedding, final norm, output) are used last: not resharded (torchtitan)
     fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=mp)
+
+
+def _other_dtype_modules(block: nn.Module) -> list[nn.Module]:
+    """The submodules whose own parameters are in a dtype other than most of ``block``'s."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in block.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    main = max(sizes, key=sizes.__getitem__)
+    return [m for m in block.modules()
+            if (own := list(m.parameters(recurse=False))) and own[0].dtype != main
+            and all(p.dtype == own[0].dtype for p in own)]
 
 
 @dataclass

@@ -62,6 +62,13 @@ class Options:
     micro_batch: int
     micro_batches: int
 
+    @classmethod
+    def as_given(cls, given: dict[str, Any], micro_batch: int, micro_batches: int) -> "Options":
+        """The options given on the command line, as an option set."""
+        return cls(given.get("fp8"), tuple(given.get("recompute", ())),
+                   bool(given.get("offload", False)), bool(given.get("fp8_weight_cache", False)),
+                   micro_batch, micro_batches)
+
     def backend_options(self, given: dict[str, Any]) -> dict[str, Any]:
         """The options given on the command line with this set's in place of theirs."""
         options = {k: v for k, v in given.items()
@@ -263,6 +270,8 @@ class Problem:
     recipes: Sequence[str | None] = RECIPES
     verify: int = 2
     """How many of the fastest that fit to count with ``graphpass.estimate``."""
+    known: dict[Options, JobEstimate] = field(default_factory=dict)
+    """Estimates made already (the job as given)."""
     progress: Callable[[str], None] = lambda text: None
 
 
@@ -280,10 +289,19 @@ def micro_batch_sizes(micro_batch: int, micro_batches: int) -> list[tuple[int, i
 
 
 def search(problem: Problem, device_bytes: int) -> SearchResult:
-    """The option sets that fit ``device_bytes``, fastest first (module docstring)."""
+    """The option sets that fit ``device_bytes``, fastest first (module docstring). Options
+    given on the command line (``fp8``, ``recompute``, ``offload``, ``fp8_weight_cache``) are
+    held; the search varies the others."""
     start = time.perf_counter()
     result = SearchResult([], [], 0, device_bytes)
     costs: dict[tuple[Options, int], LayerCost] = {}
+    counted: dict[Options, JobEstimate] = dict(problem.known)
+    given = problem.given
+    recipes = [given["fp8"]] if "fp8" in given else list(problem.recipes)
+    ladder = ([tuple(given["recompute"])] if "recompute" in given
+              else [tuple(w) for w in problem.recompute_words])
+    offloads = [bool(given["offload"])] if "offload" in given else [False, True]
+    caches = [bool(given["fp8_weight_cache"])] if "fp8_weight_cache" in given else [False, True]
 
     def layer_costs(options: Options) -> list[tuple[int, LayerCost]]:
         kinds = problem.layer_kinds(options.micro_batch)
@@ -292,40 +310,43 @@ def search(problem: Problem, device_bytes: int) -> SearchResult:
             key = (dataclasses.replace(options, micro_batches=1), index)
             if key not in costs:
                 problem.progress(f"planning layer kind {index + 1}/{len(kinds)}: {options.label()}")
-                config = Config.from_options(**{**options.backend_options(problem.given),
-                                                "codegen": "eager"})
+                config = Config.from_options(**{**options.backend_options(given), "codegen": "eager"})
                 costs[key] = plan_layer(block, args, kwargs, config)
             out.append((count, costs[key]))
         return out
 
-    baselines: dict[int, tuple[JobEstimate, list[tuple[int, LayerCost]]]] = {}
     for micro_batch, micro_batches in micro_batch_sizes(problem.micro_batch, problem.micro_batches):
-        base = Options(problem.given.get("fp8"), tuple(problem.given.get("recompute", ())),
-                       bool(problem.given.get("offload", False)),
-                       bool(problem.given.get("fp8_weight_cache", False)), micro_batch, micro_batches)
-        problem.progress(f"estimating the step: {base.label()}")
-        baselines[micro_batch] = (problem.estimate(base), layer_costs(base))
-        for recipe in problem.recipes:
-            for words in problem.recompute_words:
-                fitted = False
-                for offload in (False, True):
-                    options = Options(recipe, tuple(words), offload, False, micro_batch, micro_batches)
-                    cand = _predict(options, baselines[micro_batch], layer_costs(options), device_bytes)
-                    (result.candidates if cand.fits else result.rejected).append(cand)
+        base = Options.as_given(given, micro_batch, micro_batches)
+        if base not in counted:
+            problem.progress(f"estimating the step: {base.label()}")
+            counted[base] = problem.estimate(base)
+        baseline = (counted[base], layer_costs(base))
+
+        def tried(options: Options) -> Candidate:
+            cand = _predict(options, baseline, layer_costs(options), device_bytes)
+            if options in counted:
+                peak = counted[options].peak_bytes
+                cand = dataclasses.replace(cand, peak_bytes=peak, fits=peak <= device_bytes,
+                                           counted=True)
+            (result.candidates if cand.fits else result.rejected).append(cand)
+            return cand
+
+        for recipe in recipes:
+            for step, words in enumerate(ladder):
+                fitted = None
+                for offload in offloads:
+                    cand = tried(Options(recipe, words, offload, caches[0], micro_batch, micro_batches))
                     if cand.fits:
-                        fitted = True
-                        if recipe is not None and micro_batches > 1:
-                            cached = dataclasses.replace(options, weight_cache=True)
-                            c2 = _predict(cached, baselines[micro_batch], layer_costs(cached),
-                                          device_bytes)
-                            (result.candidates if c2.fits else result.rejected).append(c2)
+                        fitted = cand
                         break
-                if fitted:
-                    done = list(problem.recompute_words).index(words) + 1
-                    result.skipped += 2 * (len(problem.recompute_words) - done)
-                    break
+                if fitted is None:
+                    continue
+                if recipe is not None and micro_batches > 1 and len(caches) > 1:
+                    tried(dataclasses.replace(fitted.options, weight_cache=True))
+                result.skipped += len(offloads) * (len(ladder) - step - 1)
+                break
     result.candidates.sort(key=lambda c: (c.layer_seconds, c.peak_bytes))
-    _verify(problem, result)
+    _verify(problem, result, counted)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -344,15 +365,18 @@ def _predict(options: Options, baseline: tuple[JobEstimate, list[tuple[int, Laye
     return Candidate(options, peak, peak <= device_bytes, seconds, counted=False)
 
 
-def _verify(problem: Problem, result: SearchResult) -> None:
-    """Count the fastest predicted fits with ``graphpass.estimate``; one that does not fit after
-    all moves to the rejected and the next is counted, ``verify`` in all."""
+def _verify(problem: Problem, result: SearchResult, known: dict[Options, JobEstimate]) -> None:
+    """Count the fastest fits with ``graphpass.estimate`` (those counted already apart); one that
+    does not fit after all moves to the rejected and the next is counted, ``verify`` in all."""
     counted = 0
     i = 0
     while i < len(result.candidates) and counted < problem.verify:
         cand = result.candidates[i]
+        if cand.counted:
+            i += 1
+            continue
         problem.progress(f"counting: {cand.options.label()}")
-        est = problem.estimate(cand.options)
+        est = known[cand.options] = problem.estimate(cand.options)
         counted += 1
         fits = est.peak_bytes <= result.device_bytes
         cand = dataclasses.replace(cand, peak_bytes=est.peak_bytes, fits=fits, counted=True)
@@ -372,6 +396,10 @@ def recompute_ladder(model_type: str, moe: bool) -> list[tuple[str, ...]]:
     return [(), ("layernorm", act), ("layernorm", act, *attn), ("full",)]
 
 
+def _seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+
 def format_result(result: SearchResult, given: dict[str, Any], top: int = 10) -> str:
     """The ranked table, what was predicted and what counted, and the best as a backend call."""
     lines = [f"options that fit in {format_bytes(result.device_bytes)}, fastest first "
@@ -379,7 +407,7 @@ def format_result(result: SearchResult, given: dict[str, Any], top: int = 10) ->
     for i, c in enumerate(result.candidates[:top], 1):
         how = "counted" if c.counted else "predicted"
         lines.append(f"  {i:>2}. {c.options.label():<60} peak {format_bytes(c.peak_bytes):>10} "
-                     f"({how})  layers {c.layer_seconds * 1e3:8.1f} ms")
+                     f"({how})  layers {_seconds(c.layer_seconds):>10}")
     if len(result.candidates) > top:
         lines.append(f"  ... {len(result.candidates) - top} more")
     if not result.candidates:
