@@ -32,7 +32,7 @@ def main() -> None:
     cfg = transformers.LlamaConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=args.seq, rope_theta=500000.0)
+        max_position_embeddings=args.seq, rope_theta=500000.0, use_cache=False)
     start = time.monotonic()
     with fake_process_group(args.world):
         with torch.device("meta"):
