@@ -509,7 +509,7 @@ class MemoryPlan(_Group):
 
     budget: int | float | None = None
     """The most the step's predicted peak may be: bytes (an int), or a fraction of the device's
-    memory (a float in (0, 1]; an H100's 80 GiB when no CUDA device is present). The planner
+    memory (a float in (0, 1]; an H100's memory when no CUDA device is present). The planner
     recomputes or offloads saved tensors until it fits, at the least added time by a roofline
     estimate, exactly (gradients unchanged); a ValueError when no plan fits. ``None``: no
     budget (docs/memory/memory-budget.md#memory_budget). Set it when a step must fit a
