@@ -45,7 +45,6 @@ from .save_original import merge_usages
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
-FSDP_FP8_WEIGHT = "graphpass.fsdp_fp8_weight"  # a weight FSDP2 gathered in FP8 (fp8/fsdp.py)
 
 
 def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
@@ -64,16 +63,14 @@ def lower_fp8(joint: fx.GraphModule, plan: Plan, config: Config,
     kept_heads = {f: (f"the output head ({how}); fp8_exclude's {' and '.join(map(repr, asked))} "
                       "keep it in high precision") for f, how in heads.items() if asked}
     slower = _slower_in_fp8(linears, config, plan, kept_heads)
-    any_flops = config.replace(fp8_min_gemm_flops=0)
+    any_flops = config.replace(fp8_min_gemm_flops=0)  # fp8/fsdp.py's weights: see below
     for lin in linears:
         head = heads.get(lin.fprop)
         reason = (why_not_lowered(lin, config) or kept_heads.get(lin.fprop)
                   or slower.get(lin.fprop))
-        if (reason and op_name(lin.w) == FSDP_FP8_WEIGHT and lin.fprop not in kept_heads
-                and why_not_lowered(lin, any_flops) is None):
-            # a cost choice (the roofline, fp8_min_gemm_flops), but FSDP2 gathered the weight
-            # in FP8 (fp8/fsdp.py): there is no bf16 weight to run
-            plan.decide(Decision(What.COST_NOT_JUDGED, "fp8", (
+        if (reason and op_name(lin.w) == "graphpass.fsdp_fp8_weight" and lin.fprop not in
+                kept_heads and why_not_lowered(lin, any_flops) is None):
+            plan.decide(Decision(What.COST_NOT_JUDGED, "fp8", (  # no bf16 weight to run
                 f"the weight arrives all-gathered in FP8 (graphpass.fsdp_fp8_weights), so the "
                 f"linear is lowered; in bf16 otherwise: {reason}"), lin.module), once=True)
             reason = None
