@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 import graphpass  # noqa: E402
 from graphpass.cli import main, parse_bytes  # noqa: E402
 from graphpass.job import models  # noqa: E402
-from graphpass.job.search import Options, micro_batch_sizes  # noqa: E402
+from graphpass.job.search import Options, micro_batch_sizes, plan_layer  # noqa: E402
 
 # Tiny shapes per model type: two layers (DeepSeek-V3: one dense, two MoE), sequence 32.
 ATTENTION = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -48,11 +48,14 @@ def _fit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY))
+# one_version: the config file, the meta-device build and the estimate of a transformers model
+# run on every version in test_fit_text_says_whether_it_fits (llama, FSDP2 over two ranks)
+@pytest.mark.one_version
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_fit_from_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                               monkeypatch: pytest.MonkeyPatch, model_type: str) -> None:
-    """Each model type from a config file with no network (the hub is unreachable), FSDP2 over
-    two fake ranks: exit 0, it fits."""
+    """Each MoE model type from a config file with no network (the hub is unreachable), FSDP2
+    over two fake ranks: exit 0, it fits."""
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # any download would fail
     args = ["--config", _config(tmp_path, model_type), *RUN, "--fsdp", "2", "--json"]
     code, out, _ = _fit(capsys, *args)
@@ -64,14 +67,21 @@ def test_fit_from_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert breakdown["parameters"] > 0 and breakdown["optimizer state"] > 0
 
 
-def test_fit_text_says_whether_it_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _fit(capsys, "--model-type", "llama",
-                        *[f"--set={k}={v}" for k, v in TINY["llama"].items()], *RUN,
+def test_fit_text_says_whether_it_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny Llama from a config file with no network, FSDP2 over two fake ranks, in a
+    device smaller than its peak: the estimate, the verdict, exit 1."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # any download would fail
+    code, out, _ = _fit(capsys, "--config", _config(tmp_path, "llama"), *RUN, "--fsdp", "2",
                         "--device-memory", "1KiB")
     assert code == 1
-    assert "step peak (predicted)" in out and "does not fit in 1.00 KiB" in out
+    assert "step peak (predicted) (rank 0 of 2)" in out and "does not fit in 1.00 KiB" in out
+    assert "optimizer state" in out
 
 
+# one_version: half a minute of estimates; the layer planner and its roofline run on every version
+# in test_plan_layer_times_the_partitioned_graphs, the ranking's code has no torch in it
+@pytest.mark.one_version
 def test_search_ranks_and_its_best_call_is_valid(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """The tiny Llama's search over the FP8 weight cache (the recipe given, two micro-batches):
@@ -93,6 +103,20 @@ def test_search_ranks_and_its_best_call_is_valid(tmp_path: Path,
     backend = eval(compile(tree, "<best>", "eval"), {"graphpass": graphpass})  # noqa: S307
     assert isinstance(backend, graphpass.backend().__class__)
     assert (backend.config.codegen, backend.config.fp8) == ("eager", "tensorwise")
+
+
+def test_plan_layer_times_the_partitioned_graphs() -> None:
+    """One decoder layer of the tiny Llama planned as the search plans it: FP8's saved bytes and
+    roofline differ from bf16's; full recompute saves fewer bytes and takes longer."""
+    config = models.load_config(model_type="llama", overrides=list(TINY["llama"].items()))
+    kinds = models.layer_kinds(config, parallel=models.Parallel())
+    [(count, block, args, kwargs)] = kinds.with_inputs(2, 64)
+    assert count == 2
+    plain, fp8, full = (plan_layer(block, args, kwargs, graphpass.Config(codegen="eager", **o))
+                        for o in ({}, {"fp8": "tensorwise"}, {"recompute": ("full",)}))
+    assert fp8.activation_bytes != plain.activation_bytes
+    assert full.activation_bytes < plain.activation_bytes and full.seconds > plain.seconds > 0
+    assert fp8.seconds != plain.seconds and plain.peak_bytes >= plain.activation_bytes
 
 
 def test_micro_batch_sizes_keep_the_sequences_per_step() -> None:
