@@ -71,7 +71,9 @@ def fsdp_param_dtypes(model: torch.nn.Module) -> dict[int, Any]:
         group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
         if group is None:
             continue
-        dtype = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
         for fsdp_param in getattr(group, "fsdp_params", ()):
-            out[id(fsdp_param.sharded_param)] = dtype
+            # each parameter's policy from 2.15 (a per-parameter override), the group's before
+            policy = getattr(fsdp_param, "mp_policy", None) or getattr(group, "mp_policy", None)
+            if policy is not None:  # else unknown: left out, not guessed
+                out[id(fsdp_param.sharded_param)] = policy.param_dtype
     return out

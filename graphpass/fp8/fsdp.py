@@ -70,6 +70,7 @@ class _State:
     version: int | None = None  # the shard's version counter when ``amax`` was reduced
     reduced_alone: bool = False
     param: Any = None  # a weakref to the sharded parameter (its version counter)
+    amax_dtype: torch.dtype | None = None  # the dtype ``amax`` was taken in
     fallback: str | None = None  # why this weight gathers in high precision (set at its first gather)
     rows: int = 0  # the whole weight's rows (FSDP2 shards dim 0)
     param_dtype: torch.dtype | None = None  # the dtype FSDP2 gathers (its MixedPrecisionPolicy)
@@ -275,7 +276,7 @@ def _amax_now(shard: FP8GatherShard, mesh: Any, dtype: torch.dtype,
               module: torch.nn.Module | None) -> Tensor:
     state = shard._state
     version = _version(shard, module)
-    if state.amax is not None and state.version == version:
+    if state.amax is not None and state.version == version and state.amax_dtype == dtype:
         return state.amax
     if state.version is not None:
         _warn_once("graphpass fsdp_fp8_weights: a weight changed since its amax was reduced "
@@ -285,6 +286,7 @@ def _amax_now(shard: FP8GatherShard, mesh: Any, dtype: torch.dtype,
     amax = _local_amax(shard._tensor, dtype).reshape(1)
     torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group())
     state.amax, state.version, state.reduced_alone = amax[0], version, True
+    state.amax_dtype = dtype
     return state.amax
 
 
@@ -304,6 +306,7 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     all-gathers find their amaxes reduced (the amax is taken in FSDP2's ``param_dtype``)."""
     groups: dict[Any, list[tuple[FP8GatherShard, torch.dtype]]] = {}
     p_version: dict[int, int] = {}
+    dtype_of: dict[int, torch.dtype] = {}
     dtypes = _compat.fsdp_param_dtypes(model)
     for p in model.parameters():
         local = getattr(p, "_local_tensor", p)
@@ -322,6 +325,7 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
         if local._state.param is None:
             local._state.param = weakref.ref(p)
         p_version[id(local)] = p._version
+        dtype_of[id(local)] = dtype
         groups.setdefault(mesh.get_group(), []).append((local, dtype))
     for group, shards in groups.items():
         amaxes = torch.stack([_local_amax(s._tensor, d) for s, d in shards])
@@ -329,6 +333,7 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
         for (shard, _), amax in zip(shards, amaxes):
             state = shard._state
             state.amax, state.version, state.reduced_alone = amax, p_version[id(shard)], False
+            state.amax_dtype = dtype_of[id(shard)]
     return sum(len(s) for s in groups.values())
 
 
