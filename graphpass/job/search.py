@@ -122,6 +122,8 @@ class Candidate:
     """Every decoder layer's forward and backward, all micro-batches, by the roofline."""
     counted: bool
     """The peak is ``graphpass.estimate``'s for these options, not predicted from the layers."""
+    predicted_bytes: int | None = None
+    """Where counted: the peak the layers predicted (how far the prediction was off)."""
 
 
 @dataclass
@@ -206,13 +208,15 @@ class _Flat(nn.Module):
 
     def __init__(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__()
-        self.block = block
+        # under the path a model gives its layers (``layers.0``), which ``full`` recompute and
+        # the report's per-layer rows read
+        self.layers = nn.ModuleList([block])
         self.inputs: list[torch.Tensor] = []
         self._template = _slots((args, kwargs), self.inputs)
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         args, kwargs = _filled(self._template, tensors)
-        out = self.block(*args, **kwargs)
+        out = self.layers[0](*args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -327,7 +331,7 @@ def search(problem: Problem, device_bytes: int) -> SearchResult:
             if options in counted:
                 peak = counted[options].peak_bytes
                 cand = dataclasses.replace(cand, peak_bytes=peak, fits=peak <= device_bytes,
-                                           counted=True)
+                                           counted=True, predicted_bytes=cand.peak_bytes)
             (result.candidates if cand.fits else result.rejected).append(cand)
             return cand
 
@@ -379,7 +383,8 @@ def _verify(problem: Problem, result: SearchResult, known: dict[Options, JobEsti
         est = known[cand.options] = problem.estimate(cand.options)
         counted += 1
         fits = est.peak_bytes <= result.device_bytes
-        cand = dataclasses.replace(cand, peak_bytes=est.peak_bytes, fits=fits, counted=True)
+        cand = dataclasses.replace(cand, peak_bytes=est.peak_bytes, fits=fits, counted=True,
+                                   predicted_bytes=cand.peak_bytes)
         if fits:
             result.candidates[i] = cand
             i += 1
@@ -406,8 +411,13 @@ def format_result(result: SearchResult, given: dict[str, Any], top: int = 10) ->
              f"(layer time: every decoder layer's forward and backward by an H100 roofline):"]
     for i, c in enumerate(result.candidates[:top], 1):
         how = "counted" if c.counted else "predicted"
-        lines.append(f"  {i:>2}. {c.options.label():<60} peak {format_bytes(c.peak_bytes):>10} "
+        lines.append(f"  {i:>2}. {c.options.label():<58} peak {format_bytes(c.peak_bytes):>10} "
                      f"({how})  layers {_seconds(c.layer_seconds):>10}")
+    off = [c for c in result.candidates + result.rejected
+           if c.counted and c.predicted_bytes is not None and c.predicted_bytes != c.peak_bytes]
+    for c in off:
+        lines.append(f"  counted {c.options.label()}: {format_bytes(c.peak_bytes)}, predicted "
+                     f"{format_bytes(c.predicted_bytes)} ({c.predicted_bytes / c.peak_bytes - 1:+.1%})")
     if len(result.candidates) > top:
         lines.append(f"  ... {len(result.candidates) - top} more")
     if not result.candidates:
