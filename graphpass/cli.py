@@ -175,7 +175,7 @@ def _print_against_high_precision(results: list[tuple[str, str, Report]], size: 
     print()
     for model_name in sorted(fp8_models):
         module, inputs = build_model(model_name, size, layers, tp)
-        base = plan(module, *inputs, config=Config(codegen="eager", memory="default")).activation_bytes
+        base = plan(module, *inputs, config=Config(codegen="eager", memory_planner="default")).activation_bytes
         rank = f" (one rank of TP={tp})" if tp else ""
         print(f"{model_name} {size}{rank}: without FP8, torch's default partitioner saves {format_bytes(base)}")
         for m, label, r in results:
@@ -335,8 +335,9 @@ def _fit_job(args: argparse.Namespace, hf: Any, parallel: Any, models: Any,
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
     if hf is None:
-        module, inputs = build_model(args.model, args.size, args.layers,
-                                     parallel.tp if parallel.tp > 1 else None)
+        with torch.device("meta"):  # no weights: FSDP2 shards a meta model, the estimate fakes it
+            module, inputs = build_model(args.model, args.size, args.layers,
+                                         parallel.tp if parallel.tp > 1 else None)
         return models.build_module(module, inputs, parallel=parallel, name=args.model)
     if layers is not None:
         hf = models.with_layers(hf, layers)

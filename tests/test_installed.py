@@ -56,3 +56,18 @@ def test_the_package_build_includes_the_reference_models():
     from graphpass.models import MODELS
 
     assert all((ROOT / "graphpass" / "models" / f"{name}.py").is_file() for name in MODELS)
+
+
+def test_graphpass_calls_no_option_by_a_deprecated_name():
+    """A keyword of ``Config.DEPRECATED`` passed by graphpass's own code would print its
+    FutureWarning to every user of that code (the CLI's report, once)."""
+    import ast
+
+    from graphpass.config import DEPRECATED
+
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}: {keyword.arg}="
+             for path in sorted((ROOT / "graphpass").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Call) for keyword in node.keywords
+             if keyword.arg in DEPRECATED]
+    assert not found, "deprecated option names: " + ", ".join(found)
