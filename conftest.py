@@ -6,7 +6,12 @@ outputs are checked (``...`` matches any text, whitespace is normalised). A bloc
 here (a GPU, several processes, a source checkout's files) is skipped by the HTML comment before
 it, with its reason: ``<!-- skip: next "needs CUDA: ..." -->``. The suite collects these pages
 through ``testpaths`` in pyproject.toml; ``pytest README.md docs`` runs them alone.
+
+Each block is marked ``one_version``: CI runs the pages on its first torch version only. They
+show the API; the suite's own tests cover every mechanism they use on every version, and the
+pages' compiles would otherwise cost CI their time three times.
 """
+import pytest
 from doctest import ELLIPSIS, NORMALIZE_WHITESPACE
 
 from sybil import Sybil
@@ -24,6 +29,13 @@ def _fresh(namespace):
     torch._dynamo.reset()
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.suffix == ".md":
+            item.add_marker(pytest.mark.one_version)
 
 
 pytest_collect_file = Sybil(
