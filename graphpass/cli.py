@@ -335,9 +335,8 @@ def _fit_job(args: argparse.Namespace, hf: Any, parallel: Any, models: Any,
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
     if hf is None:
-        with torch.device("meta"):  # no weights: FSDP2 shards a meta model, the estimate fakes it
-            module, inputs = build_model(args.model, args.size, args.layers,
-                                         parallel.tp if parallel.tp > 1 else None)
+        module, inputs = build_model(args.model, args.size, args.layers,
+                                     parallel.tp if parallel.tp > 1 else None)
         return models.build_module(module, inputs, parallel=parallel, name=args.model)
     if layers is not None:
         hf = models.with_layers(hf, layers)

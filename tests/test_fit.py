@@ -79,6 +79,17 @@ def test_fit_text_says_whether_it_fits(tmp_path: Path, capsys: pytest.CaptureFix
     assert "optimizer state" in out
 
 
+# one_version: the estimate of an FSDP2 model runs on every version in
+# test_fit_text_says_whether_it_fits; this adds the factory's way in
+@pytest.mark.one_version
+def test_fit_a_factory(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model package.module:factory`` as ``graphpass report`` takes it: the tiny reference
+    Llama (real weights, moved to the meta device for FSDP2), its default loss noted."""
+    code, out, _ = _fit(capsys, "--model", "graphpass.models.llama:build", "--size", "tiny",
+                        "--codegen", "eager", "--fsdp", "2")
+    assert code == 0 and "(rank 0 of 2)" in out and "loss: output.float().mean()" in out
+
+
 # one_version: half a minute of estimates; the layer planner and its roofline run on every version
 # in test_plan_layer_times_the_partitioned_graphs, the ranking's code has no torch in it
 @pytest.mark.one_version

@@ -263,9 +263,13 @@ def build_hf(config: Any, *, seq: int, micro_batch: int, parallel: Parallel,
 def build_module(model: nn.Module, inputs: Sequence[Any], *, parallel: Parallel,
                  name: str = "model") -> Job:
     """A factory's model (already tensor-parallel where it takes ``tp=``), sharded as
-    :func:`build_hf` does, its decoder layers the first ``nn.ModuleList`` it holds."""
+    :func:`build_hf` does, its decoder layers the first ``nn.ModuleList`` it holds. Sharded, a
+    model with weights moves to the meta device first (FSDP2 shards it there; no value is read)."""
     blocks = decoder_layers(model) if parallel.sharded else []
     if parallel.sharded:
+        model = model.to("meta")
+        inputs = [t.detach().to("meta").requires_grad_(t.requires_grad)
+                  if isinstance(t, torch.Tensor) else t for t in inputs]
         _fully_shard(model, blocks, parallel, _mesh(parallel))
     return Job(model, tuple(inputs), {}, blocks, name, [])
 
