@@ -58,13 +58,17 @@ def measured(tmp_path_factory) -> list[dict[str, int]]:
     return [torch.load(out / f"peaks-{r}.pt") for r in range(WORLD)]
 
 
-# Known gap, asserted to stay a gap until it is closed (strict): on torch 2.13 the estimate is
-# 4.3% (eager, AdamW, 2 micro-batches) and 5.4% (compiled, SGD) under the peak measured on gloo.
-# Both peaks fall in the last block's backward; the tracker's breakdown there differs in FSDP2's
-# buffers (gloo: the reduce-scatter input and the unsharded gradients alive; the fake process
-# group: the unsharded parameters), the first block's peaks agree to the byte.
-@pytest.mark.xfail(strict=True, reason="FSDP2 on the fake process group vs gloo: 4-5% under")
-@pytest.mark.parametrize("name", list(worker.CASES))
+# Known gap, asserted to stay a gap until it is closed (strict): with the blocks compiled the
+# estimate is 5.4% under gloo's peak on torch 2.13 (7,914,504 B against 8,364,552 B). In the real
+# step, AccumulateGrad copies each gradient the compiled backward returns into a new tensor
+# (new_empty_strided + copy_, 1,180,672 B per block) after the backward graph; under fake
+# tensors it takes the gradient as it is.
+_COMPILED_GAP = pytest.mark.xfail(strict=True, reason="AccumulateGrad's copies of a compiled "
+                                  "backward's gradients: counted in the real step only")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_COMPILED_GAP) if n.startswith("compiled")
+                                  else n for n in worker.CASES])
 def test_fsdp_rank_matches_real_step(name, measured):
     options, optimizer, micro_batches = worker.CASES[name]
     torch._dynamo.reset()

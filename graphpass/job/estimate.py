@@ -69,6 +69,11 @@ def estimate(model: nn.Module, *inputs: Any, optimizer: Optimizer | None,
         raise EstimateError(f"micro_batches must be a positive int, not {micro_batches!r}")
     notes: list[str] = []
     model = _uncompiled(model, notes)
+    if getattr(getattr(model, "config", None), "use_cache", False) and not input_kwargs.get(
+            "use_cache") is False:
+        notes.append("counted: the model's config has use_cache=True, so a Hugging Face model "
+                     "fills a KV cache in the forward; training keeps none: pass use_cache=False "
+                     "(or set it in the config)")
     fsdp = _fsdp_root(model)
     mode = fake_mode_for_meta() if fsdp else _compat.fake_tensor_mode()
     with mode:
