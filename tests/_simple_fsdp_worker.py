@@ -31,7 +31,7 @@ import graphpass  # noqa: E402
 try:
     from graphpass.models import llama
 except ImportError:  # before the reference models moved into the package
-    from examples import llama
+    from graphpass.models import llama
 
 STEPS = 3
 LR = 0.5

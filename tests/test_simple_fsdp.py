@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 try:
     from graphpass.models import llama
 except ImportError:  # before the reference models moved into the package
-    from examples import llama
+    from graphpass.models import llama
 
 KiB = 1024
 # the tiny Llama's linears (hidden 256, 4 heads of 64, 2 KV heads, FFN 512): (module, shape)
