@@ -28,10 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import graphpass  # noqa: E402
 
-try:
-    from graphpass.models import llama
-except ImportError:  # before the reference models moved into the package
-    from graphpass.models import llama
+from graphpass.models import llama
 
 STEPS = 3
 LR = 0.5

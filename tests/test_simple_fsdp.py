@@ -18,10 +18,7 @@ simple_fsdp = pytest.importorskip("torchtitan.experiments.graph_trainer.simple_f
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="needs torch.distributed")
 
-try:
-    from graphpass.models import llama
-except ImportError:  # before the reference models moved into the package
-    from graphpass.models import llama
+from graphpass.models import llama
 
 KiB = 1024
 # the tiny Llama's linears (hidden 256, 4 heads of 64, 2 KV heads, FFN 512): (module, shape)
