@@ -72,10 +72,12 @@ class LM(nn.Module):
 
 def _run(rank: int, world: int, weight_all_gather: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.experiments.graph_trainer import simple_fsdp
     from torchtitan.experiments.graph_trainer.simple_fsdp import (MixedPrecisionPolicy,
                                                                    data_parallel)
 
     torch._dynamo.reset()
+    simple_fsdp._wrap_class_cache.clear()  # its classes keep the first wrapping's properties
     model, (tokens,) = llama.build("tiny_lm", layers=1, batch=BATCH, dtype=torch.float32)
     targets = torch.randint(0, 256, tokens.shape, generator=torch.Generator().manual_seed(1))
     mesh = init_device_mesh("cpu", (world,))

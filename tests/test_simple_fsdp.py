@@ -52,10 +52,19 @@ class MLP(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
+def _fresh() -> None:
+    """SimpleFSDP caches the class it derives for each module class, with the properties of the
+    first wrapping (its mesh, its policy): a model wrapped on another mesh in the same process
+    needs the cache emptied."""
+    simple_fsdp._wrap_class_cache.clear()
+    torch._dynamo.reset()
+
+
 def _plan_llama(world: int = 2, **options) -> graphpass.Report:
     """One rank of the tiny Llama LM (1 block, bf16) under SimpleFSDP's fully_shard."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    _fresh()
     with fake_process_group(world):
         model, (tokens,) = llama.build("tiny_lm", layers=1, batch=2, dtype=torch.bfloat16)
         model = simple_fsdp.data_parallel(model, init_device_mesh("cpu", (world,)),
@@ -67,6 +76,7 @@ def _plan_llama(world: int = 2, **options) -> graphpass.Report:
 def _plan_mlp(world: int = 2, ffn: int = 512, **options) -> graphpass.Report:
     from torch.distributed.device_mesh import init_device_mesh
 
+    _fresh()
     with fake_process_group(world):
         model = simple_fsdp.data_parallel(MLP(ffn).to(torch.bfloat16),
                                           init_device_mesh("cpu", (world,)), mode="fully_shard")
@@ -111,7 +121,7 @@ def test_simple_fsdp_weights_gathered_in_fp8_after_one_amax_all_reduce(on):
     assert sorted(_weight_notes(report)) == sorted(want)
     if on:
         fp8 = [f"fp8 all-gather: model.{m}: weight, forward: quantized shard by shard with the "
-               "whole weight's amax (one all-reduce (max) of the amaxes of 7 weights), the "
+               "gathered weight's amax (one all-reduce (max) of the amaxes of 7 weights), the "
                "all-gather moves FP8 bytes; dgrad's columnwise copy is the gathered copy "
                "transposed" for m, _ in LINEARS]
     else:
@@ -177,3 +187,44 @@ def test_weight_cache_says_a_gathered_weight_is_quantized_every_micro_batch():
         "shard once per optimizer step is not done)" for m, s in (("up", "512x256"),
                                                                   ("down", "256x512"))]
     assert sum(n.startswith("fp8 all-gather: ") for n in report.notes) == 2
+
+
+def test_simple_fsdp_with_tensor_parallelism_on_a_2d_mesh():
+    """One rank of a (dp=2, tp=2) mesh: a Llama block under torchtitan's TP+SP plan on "tp", then
+    SimpleFSDP on "dp". Each weight's TP shard is gathered over dp in FP8 after one all-reduce of
+    the 7 amaxes (its scale the TP shard's, as without the FP8 gather); the sequence-parallel
+    inputs and gradients keep their FP8 gathers over tp; both notes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from graphpass.models import _common
+
+    dp, tp = 2, 2
+    _fresh()
+    with fake_process_group(dp * tp):
+        model, (x,) = llama.build("tiny", layers=1, dtype=torch.bfloat16)
+        cfg = model.config
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        block = llama.parallelize(model.layers[0], mesh["tp"])
+        block = simple_fsdp.data_parallel(block, mesh["dp"], mode="fully_shard")
+        cos, sin = _common.rope_cos_sin(cfg.seq, cfg.head_dim, cfg.rope_theta, x.device, x.dtype)
+        local = x.detach().chunk(tp, dim=1)[0].clone().requires_grad_()
+        report = graphpass.plan(block, local, cos, sin, config=graphpass.Config(
+            fp8="tensorwise", kernels="reference", codegen="eager"))
+    notes = report.notes
+    shards = [("self_attn.q_proj", (128, 256)), ("self_attn.k_proj", (64, 256)),
+              ("self_attn.v_proj", (64, 256)), ("self_attn.o_proj", (256, 128)),
+              ("mlp.gate_proj", (256, 256)), ("mlp.up_proj", (256, 256)),
+              ("mlp.down_proj", (256, 256))]
+    assert sorted(_weight_notes(report)) == sorted(
+        [f"weight all-gather: {m}.weight: forward, {s}, float8_e4m3fn (as uint8), "
+         f"{_gathered(s, 1)} per step" for m, s in shards]
+        + [f"weight all-gather: {m}.weight: forward, (256,), bfloat16, 512 B per step"
+           for m in ("input_layernorm", "post_attention_layernorm")])
+    assert sum("(one all-reduce (max) of the amaxes of 7 weights)" in n for n in notes) == 7
+    assert sum(": input, forward: quantized before the all-gather" in n
+               or ": grad, backward: quantized before the all-gather" in n for n in notes) == 4
+    # the forward: the SP gathers (2 x 32 KiB FP8) and the weights' (9), one all-reduce for the
+    # weights and one per SP gather
+    assert ("collectives in the forward: all_gather_into_tensor x11 (321.00 KiB out), "
+            "all_reduce x3 (36 B out), reduce_scatter_tensor x2 (32.00 KiB out)") in notes
+    assert any(n.startswith("fp8 under FSDP in the graph (SimpleFSDP): ") for n in notes)
+    assert any(n.startswith("fp8 under tensor parallelism: sequence-parallel") for n in notes)

@@ -11,7 +11,7 @@ reduced in one all-reduce (as torchao's precompute of float8 FSDP weights does):
 
     amax_i  = graphpass::amax(shard_i)                       each weight's shard on this rank
     amaxes  = all_reduce(stack(amax_0, ..., amax_n), "max")  one all-reduce for the group's weights
-    data_i  = graphpass::quantize_amax(shard_i, amaxes[i])   the shard, the whole weight's scale
+    data_i  = graphpass::quantize_amax(shard_i, amaxes[i])   the shard, the gathered weight's scale
     data_i  = all_gather(data_i as uint8)                    1 byte per element instead of 2
     ...DTensor's layout ops on the FP8 bytes; dgrad's columnwise copy is their transpose
 
@@ -101,7 +101,7 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
 def _decided(plan: Plan, quantizes: list[fx.Node], reduced: str) -> None:
     dgrad = any(q.args[3] in ("columnwise", "both") for q in quantizes)
     plan.decide(Decision(What.FP8_ALL_GATHER, "fp8", (
-        f"weight, forward: quantized shard by shard with the whole weight's amax ({reduced}), "
+        f"weight, forward: quantized shard by shard with the gathered weight's amax ({reduced}), "
         "the all-gather moves FP8 bytes" + ("; dgrad's columnwise copy is the gathered copy "
                                             "transposed" if dgrad else "")),
         module_path(quantizes[0])), once=True)
