@@ -251,3 +251,27 @@ def test_inductor_transients_are_estimated():
     assert any(n.startswith("counted: 1 compiled graph run") for n in eager.notes)
     assert inductor.peak_bytes <= eager.peak_bytes
     assert inductor.report is not None
+
+
+# one_version: the budget's arithmetic is graphpass's own; the compiled graphs it re-plans are
+# covered on every version by test_block_matches_real_step's SGD case
+@pytest.mark.one_version
+def test_job_memory_budget_plans_the_graphs_within_what_is_left():
+    """memory_budget for the job: what lives outside the compiled graphs first, then each
+    graph planned within the rest; a note says how the budget was shared, the parts at the
+    peak are the budget's shares, and a budget no plan meets is the planner's ValueError."""
+    ids = _ids(batch=4, seq=256)
+    torch._dynamo.reset()
+    free = estimate(Block(), ids, optimizer=SGD, loss_fn=_cross_entropy,
+                    config=graphpass.Config(codegen="eager"))
+    budget = int(free.peak_bytes * 0.95)
+    torch._dynamo.reset()
+    est = estimate(Block(), ids, optimizer=SGD, loss_fn=_cross_entropy,
+                   config=graphpass.Config(codegen="eager", memory_budget=budget))
+    assert est.peak_bytes <= budget < free.peak_bytes
+    assert sum(est.budget.values()) == est.peak_bytes
+    assert any(n.startswith("memory_budget ") and "fits the budget" in n for n in est.notes)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="cannot be met"):
+        estimate(Block(), ids, optimizer=SGD, loss_fn=_cross_entropy,
+                 config=graphpass.Config(codegen="eager", memory_budget=free.peak_bytes // 2))

@@ -32,6 +32,7 @@ from .. import _compat
 from ..config import Config, given
 from ..plan import _fake_like
 from .._compat.mem_tracker import fake_mode_for_meta
+from .budget import budgeted, job_budget, outside_graphs
 from .graphs import EstimateGraphs
 from .result import JobEstimate, Part, Phase, PhasePeak
 from .tracker import Key, Sample, StepTracker, fsdp_step_tracker
@@ -82,33 +83,65 @@ def estimate(model: nn.Module, *inputs: Any, optimizer: Optimizer | None,
         fake_kwargs = {k: _fake_like(x) if isinstance(x, torch.Tensor) else x
                        for k, x in input_kwargs.items()}
         opt = _optimizer(optimizer, fake_model, notes)
-    graphs = EstimateGraphs(given(config)) if config is not None else None
-    runner: Callable[..., Any] = fake_model
-    if graphs is not None:
-        runner = _compiled_blocks(fake_model, graphs, notes) if fsdp else _compiled(fake_model,
-                                                                                    graphs)
-    if graphs is None:
+    config = given(config) if config is not None else None
+    if config is None:
         notes.append("counted: the model runs eagerly as given (no config): pass config= to "
                      "count graphpass's compiled graphs")
-    step = _Step(runner, fake_inputs, fake_kwargs, loss_fn, opt, micro_batches, notes)
+    budget = job_budget(config)
     with mode, _compat.unlimited_recompiles():
-        step.run(None)  # warm-up: compiles, makes the optimizer's state and the gradients
-        tracker = fsdp_step_tracker(fake_model, opt) if fsdp else StepTracker()
-        if fsdp:
-            tracker.track_inputs((fake_inputs, fake_kwargs))
-        else:
-            tracker.track_external(fake_model, *(o for o in [opt] if o is not None),
-                                   *[x for x in (*fake_inputs, *fake_kwargs.values())
-                                     if isinstance(x, torch.Tensor)])
-            # The gradients' hooks, which torch's tracker installs as each module's forward
-            # starts: a compiled module's children run inside its graph, never as modules.
-            tracker._track_module_params_and_buffers(fake_model, install_grad_hooks=True)
-        if graphs is not None:
-            tracker.graph_source = graphs
-            graphs.runs.clear()
-        with tracker:
-            step.run(tracker)
-    return _result(tracker, graphs, notes, micro_batches)
+        if budget is None:
+            tracker, graphs = _tracked(fake_model, fsdp, config, fake_inputs, fake_kwargs,
+                                       loss_fn, opt, micro_batches, notes)
+            return _result(tracker, graphs, notes, micro_batches)
+        # The job's budget: the step without one shows what lives outside the compiled graphs
+        # while each runs; graphpass then plans every graph within what is left.
+        unbudgeted = config.replace(memory_budget=None)
+        tracker, graphs = _tracked(fake_model, fsdp, unbudgeted, fake_inputs, fake_kwargs,
+                                   loss_fn, opt, micro_batches, [])
+        first = _result(tracker, graphs, [], micro_batches)
+        outside = outside_graphs(tracker, graphs, first)
+        per_graph = budget - outside
+        if per_graph <= 0:
+            raise EstimateError(
+                f"memory_budget={budget:,} B: what lives outside the compiled graphs while they "
+                f"run takes {outside:,} B alone (parameters, gradients, optimizer state, FSDP "
+                "buffers, the other graphs' saved activations); no plan inside them fits")
+        torch._dynamo.reset()
+        tracker, graphs = _tracked(fake_model, fsdp, config.replace(memory_budget=per_graph),
+                                   fake_inputs, fake_kwargs, loss_fn, opt, micro_batches, notes)
+        result = _result(tracker, graphs, notes, micro_batches)
+    return budgeted(result, budget, outside, per_graph)
+
+
+def _tracked(fake_model: nn.Module, fsdp: bool, config: Config | None, fake_inputs: list[Any],
+             fake_kwargs: dict[str, Any], loss_fn: Callable[..., torch.Tensor] | None,
+             opt: torch.optim.Optimizer | None, micro_batches: int, notes: list[str]
+             ) -> tuple[Any, EstimateGraphs | None]:
+    """Call under the fake mode: compile (under ``config``), warm up, and run the step under
+    torch's tracker; the tracker and the compiled graphs."""
+    graphs = EstimateGraphs(config) if config is not None else None
+    runner: Callable[..., Any] = fake_model
+    if graphs is not None:
+        runner = (_compiled_blocks(fake_model, graphs, notes) if fsdp
+                  else _compiled(fake_model, graphs))
+    step = _Step(runner, fake_inputs, fake_kwargs, loss_fn, opt, micro_batches, notes)
+    step.run(None)  # warm-up: compiles, makes the optimizer's state and the gradients
+    tracker = fsdp_step_tracker(fake_model, opt) if fsdp else StepTracker()
+    if fsdp:
+        tracker.track_inputs((fake_inputs, fake_kwargs))
+    else:
+        tracker.track_external(fake_model, *(o for o in [opt] if o is not None),
+                               *[x for x in (*fake_inputs, *fake_kwargs.values())
+                                 if isinstance(x, torch.Tensor)])
+        # The gradients' hooks, which torch's tracker installs as each module's forward
+        # starts: a compiled module's children run inside its graph, never as modules.
+        tracker._track_module_params_and_buffers(fake_model, install_grad_hooks=True)
+    if graphs is not None:
+        tracker.graph_source = graphs
+        graphs.runs.clear()
+    with tracker:
+        step.run(tracker)
+    return tracker, graphs
 
 
 def _compiled(model: nn.Module, graphs: EstimateGraphs) -> Callable[..., Any]:

@@ -88,9 +88,9 @@ class JobEstimate:
     report: Any = None
     """The merged :class:`graphpass.Report` of the compiled graphs, None where nothing compiled."""
     budget: Mapping[Part, int] = field(default_factory=dict)
-    """With ``Config.memory_budget`` in bytes: the bytes of the budget each part outside the
-    compiled graphs takes before graphpass plans inside them (``job/budget.py``); empty without
-    one."""
+    """With ``Config(memory_budget=...)``: the bytes of the budget each part takes at the peak,
+    after graphpass planned every compiled graph within what the parts outside them leave
+    (``job/budget.py``; a note gives the numbers); empty without a budget."""
 
     def fits(self, device_bytes: int, *, reserve_bytes: int = 0) -> bool:
         """Whether the step fits a device of ``device_bytes`` with ``reserve_bytes`` kept free
@@ -134,7 +134,7 @@ class JobEstimate:
             at = f" in {p.module}" if p.module else ""
             lines.append(f"  {p.phase.value:<{width}}  {format_bytes(p.bytes):>11}{at}")
         if self.budget:
-            lines.append("memory budget, taken outside the compiled graphs:")
+            lines.append("memory budget, taken at the peak:")
             for part, n in self.budget.items():
                 lines.append(f"  {part.value:<{width}}  {format_bytes(n):>11}")
         if self.step_time_s is not None:
