@@ -106,7 +106,6 @@ def estimate(model: nn.Module, *inputs: Any, optimizer: Optimizer | None,
                 f"memory_budget={budget:,} B: what lives outside the compiled graphs while they "
                 f"run takes {outside:,} B alone (parameters, gradients, optimizer state, FSDP "
                 "buffers, the other graphs' saved activations); no plan inside them fits")
-        torch._dynamo.reset()
         tracker, graphs = _tracked(fake_model, fsdp, config.replace(memory_budget=per_graph),
                                    fake_inputs, fake_kwargs, loss_fn, opt, micro_batches, notes)
         result = _result(tracker, graphs, notes, micro_batches)
