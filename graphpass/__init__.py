@@ -24,6 +24,7 @@ from .named import register as _register
 _register()
 
 __all__ = ["ActivationCache", "backend", "clear_weight_cache", "Config", "Decision",
-           "EmptySelectionWarning", "estimate", "FP8", "FSDPFP8Warning", "fsdp_fp8_weights", "JobEstimate", "MemoryPlan", "Offload", "OpaqueOpWarning",
+           "EmptySelectionWarning", "estimate", "FP8", "FSDPFP8Warning",
+           "fsdp_fp8_weights", "JobEstimate", "MemoryPlan", "Offload", "OpaqueOpWarning",
            "partition", "plan", "precompute_fsdp_fp8_scales",
            "last_report", "Recompute", "Report", "Row", "weight_cache_stats", "What", "__version__"]

@@ -26,7 +26,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import graphpass  # noqa: E402
-from _gloo_worker import BACKENDS, LR, STEPS, WORLD, _fsdp_model, _loss, _report_summary  # noqa: E402
+from _gloo_worker import (BACKENDS, LR, STEPS, WORLD, _fsdp_model, _loss,  # noqa: E402
+                          _report_summary)
 
 # torch.distributed's collectives FSDP2 and graphpass call (the names differ across versions:
 # all_gather_single from 2.13, all_gather_into_tensor before; the outermost call is counted)

@@ -32,7 +32,8 @@ from graphpass.fp8.fsdp import FP8GatheredWeight, FP8GatherShard
 from _session import once
 
 pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="needs torch.distributed with gloo")
 
 WORKER = Path(__file__).with_name("_gloo_fsdp_fp8_worker.py")
 ROOT = WORKER.parent.parent

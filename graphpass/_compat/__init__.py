@@ -54,7 +54,8 @@ from .versions import (INDUCTOR_REALIZE_HEAVY_OPS, TORCH_VERSION, TORCH_VERSION_
                        flop_formula, inductor_rounds_fused_casts, is_rng_op, size_hint)
 
 __all__ = [
-    "DISABLED_TORCH_FUNCTION", "INDUCTOR_REALIZE_HEAVY_OPS", "MinCutDumps", "TORCH_VERSION", "TORCH_VERSION_STR",
+    "DISABLED_TORCH_FUNCTION", "INDUCTOR_REALIZE_HEAVY_OPS", "MinCutDumps", "TORCH_VERSION",
+    "TORCH_VERSION_STR",
     "UNBACKED_SIZE_HINT", "aot_autograd", "assumed_sizes", "assumed_sizes_why",
     "backend_value_error", "compile_fx", "compile_id", "compiled_frame", "control_dependencies",
     "cuda_version",

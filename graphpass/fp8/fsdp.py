@@ -67,11 +67,11 @@ class _State:
     name: str
     recipe: str
     amax: Tensor | None = None
-    version: int | None = None  # the shard's version counter when ``amax`` was reduced
+    version: int | None = None  # the sharded parameter's version counter at the reduction
     reduced_alone: bool = False
     param: Any = None  # a weakref to the sharded parameter (its version counter)
     amax_dtype: torch.dtype | None = None  # the dtype ``amax`` was taken in
-    fallback: str | None = None  # why this weight gathers in high precision (set at its first gather)
+    fallback: str | None = None  # why it gathers in high precision (set at its first gather)
     rows: int = 0  # the whole weight's rows (FSDP2 shards dim 0)
     param_dtype: torch.dtype | None = None  # the dtype FSDP2 gathers (its MixedPrecisionPolicy)
 
@@ -188,10 +188,11 @@ class FP8GatherShard(Tensor):
         if func.overloadpacket not in _PRESERVE:
             return out
         return _compat.tree_map(lambda t: FP8GatherShard(t, state) if isinstance(t, Tensor)
-                        and t.dtype in _HIGH_PRECISION else t, out)
+                                and t.dtype in _HIGH_PRECISION else t, out)
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: Any,
-                            module: torch.nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
+                            module: torch.nn.Module,
+                            mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
         state = self._state
         state.rows = outer_size[0]
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
@@ -234,7 +235,7 @@ _PRESERVE = {torch.ops.aten.split, torch.ops.aten.split_with_sizes, torch.ops.at
              torch.ops.aten.new_zeros, torch.ops.aten.new_empty, torch.ops.aten._to_copy,
              torch.ops.aten.contiguous, torch.ops.aten.zeros_like, torch.ops.aten.t,
              torch.ops.aten.transpose, torch.ops.aten.reshape, torch.ops.aten._unsafe_view,
-             torch.ops.aten.cat, torch.ops.aten.expand, torch.ops.aten.clone}
+             torch.ops.aten.cat, torch.ops.aten.expand}
 
 
 def _flat(args: Any, kwargs: Any) -> list[Any]:
@@ -378,9 +379,11 @@ def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
     for name, module in linears:
         w = module.weight
         why = every or _why_not(name, w, config)
-        if why is None and getattr(w, "_local_tensor", None) is not None or type(w).__name__ == "DTensor":
-            raise ValueError(f"graphpass.fsdp_fp8_weights: {name}.weight is sharded already: "
-                             "call it before fully_shard")
+        if _compat.is_dtensor(w):
+            raise ValueError(f"graphpass.fsdp_fp8_weights: {name}.weight is a DTensor already: "
+                             "call it before fully_shard (under tensor parallelism FSDP2's FP8 "
+                             "all-gather is not supported: docs/distributed.md#not-yet-open-items)"
+                             )
         if why is not None:
             kept.append((f"{name}.weight", why))
             continue
