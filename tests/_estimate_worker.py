@@ -1,7 +1,7 @@
 """One rank of ``tests/test_estimate_fsdp.py``: the peak torch's ``FSDPMemTracker`` measures over
 one real training step of an FSDP2 model on two gloo ranks.
 
-    python tests/_estimate_worker.py OUT_DIR RANK WORLD STORE
+    python tests/_estimate_worker.py OUT_DIR RANK WORLD STORE [CASE ...]
 
 Each case (``CASES``) builds the tiny Llama language model on the CPU in bf16, applies
 ``fully_shard`` to each block and to the root, compiles each block with graphpass where the case
@@ -132,7 +132,7 @@ def main(argv: list[str]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     _without_gloo_scratch()
     try:
-        peaks = {name: measure(name, world) for name in CASES}
+        peaks = {name: measure(name, world) for name in (argv[4:] or CASES)}
     finally:
         dist.destroy_process_group()
     torch.save(peaks, os.path.join(out, f"peaks-{rank}.pt"))

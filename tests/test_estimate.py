@@ -237,6 +237,9 @@ def test_result_reads():
     assert max(p.bytes for p in est.phases) == est.peak_bytes
 
 
+# one_version: two compiles; the step-peak model it reads is checked on every version
+# (tests/test_peak.py), the tracker's compiled graphs by test_block_matches_real_step's SGD case
+@pytest.mark.one_version
 def test_inductor_transients_are_estimated():
     """Under codegen='inductor' each compiled graph's transients come from graphpass's model
     of Inductor's code (a note says so), and no more than the graphs run as-is allocate."""
