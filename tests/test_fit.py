@@ -49,7 +49,7 @@ def _fit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 # one_version: the config file, the meta-device build and the estimate of a transformers model
-# run on every version in test_fit_text_says_whether_it_fits (llama, FSDP2 over two ranks)
+# run on every version in test_fit_text_says_whether_it_fits (llama, FSDP2 x TP over 2 x 2 ranks)
 @pytest.mark.one_version
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_fit_from_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -69,14 +69,15 @@ def test_fit_from_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_fit_text_says_whether_it_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiny Llama from a config file with no network, FSDP2 over two fake ranks, in a
-    device smaller than its peak: the estimate, the verdict, exit 1."""
+    """The tiny Llama from a config file with no network, FSDP2 and tensor parallelism over
+    2 x 2 fake ranks, in a device smaller than its peak: the estimate, the verdict, exit 1."""
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # any download would fail
     code, out, _ = _fit(capsys, "--config", _config(tmp_path, "llama"), *RUN, "--fsdp", "2",
-                        "--device-memory", "1KiB")
+                        "--tp", "2", "--device-memory", "1KiB")
     assert code == 1
-    assert "step peak (predicted) (rank 0 of 2)" in out and "does not fit in 1.00 KiB" in out
+    assert "step peak (predicted) (rank 0 of 4)" in out and "does not fit in 1.00 KiB" in out
     assert "optimizer state" in out
+    assert "the embedding and the output layer are whole on every tensor-parallel rank" in out
 
 
 # one_version: the estimate of an FSDP2 model runs on every version in
