@@ -96,48 +96,43 @@ def _gathered(shape: tuple, size: int) -> str:
     return format_bytes(numel * size)
 
 
-@pytest.mark.parametrize("on", [True, False])
-def test_simple_fsdp_weights_gathered_in_fp8_after_one_amax_all_reduce(on):
+def test_simple_fsdp_weights_gathered_in_fp8_after_one_amax_all_reduce():
     """Tensorwise FP8: the 7 linears' weights gathered as FP8 bytes (half of bf16's) after ONE
     all-reduce of their 7 amaxes; the embedding, norms and output head gathered in bf16 as
-    before; the backward's reduce-scatters untouched; the same saved bytes either way.
-    ``fp8_weight_all_gather=False``: every gather bf16, each lowered weight with a note."""
-    report = _plan_llama(fp8="tensorwise", fp8_weight_all_gather=on)
+    before; the backward's reduce-scatters untouched. (The same model with
+    ``fp8_weight_all_gather=False`` is what tests/test_simple_fsdp_gloo.py trains against; the
+    MLP below checks that option's notes here.)"""
+    report = _plan_llama(fp8="tensorwise")
     notes = report.notes
     fp8_bytes = sum(n * k for _, (n, k) in LINEARS)
     other_bytes = 2 * (256 * 256 * 2 + 3 * 256)
-    gathered = other_bytes + fp8_bytes * (1 if on else 2)
-    reduce = ", all_reduce x1 (28 B out)" if on else ""
-    assert (f"collectives in the forward: all_gather_into_tensor x12 ({format_bytes(gathered)} "
-            f"out){reduce}") in notes
+    assert (f"collectives in the forward: all_gather_into_tensor x12 "
+            f"({format_bytes(other_bytes + fp8_bytes)} out), all_reduce x1 (28 B out)") in notes
     # bf16 gradients, reduce-scattered to this rank's half of each: as many bytes as elements
     assert (f"collectives in the backward: reduce_scatter_tensor x12 "
             f"({format_bytes(other_bytes // 2 + fp8_bytes)} out)") in notes
-    moved = "float8_e4m3fn (as uint8)" if on else "bfloat16"
     want = [f"weight all-gather: model.{m}.weight: forward, {s}, bfloat16, {_gathered(s, 2)} "
             "per step" for m, s in OTHERS]
-    want += [f"weight all-gather: model.{m}.weight: forward, {s}, {moved}, "
-             f"{_gathered(s, 1 if on else 2)} per step" for m, s in LINEARS]
+    want += [f"weight all-gather: model.{m}.weight: forward, {s}, float8_e4m3fn (as uint8), "
+             f"{_gathered(s, 1)} per step" for m, s in LINEARS]
     assert sorted(_weight_notes(report)) == sorted(want)
-    if on:
-        fp8 = [f"fp8 all-gather: model.{m}: weight, forward: quantized shard by shard with the "
-               "gathered weight's amax (one all-reduce (max) of the amaxes of 7 weights), the "
-               "all-gather moves FP8 bytes; dgrad's columnwise copy is the gathered copy "
-               "transposed" for m, _ in LINEARS]
-    else:
-        fp8 = [f"fp8 all-gather: not for model.{m}: weight: off (fp8_weight_all_gather=False): "
-               "the all-gather moves bfloat16, quantized after it" for m, _ in LINEARS]
-    assert [n for n in notes if n.startswith("fp8 all-gather")] == fp8
+    assert [n for n in notes if n.startswith("fp8 all-gather")] == [
+        f"fp8 all-gather: model.{m}: weight, forward: quantized shard by shard with the gathered "
+        "weight's amax (one all-reduce (max) of the amaxes of 7 weights), the all-gather moves "
+        "FP8 bytes; dgrad's columnwise copy is the gathered copy transposed" for m, _ in LINEARS]
     assert sum(n.startswith("lowered: ") for n in notes) == 7
     assert any(n.startswith("fp8 under FSDP in the graph (SimpleFSDP): ") for n in notes)
     assert not any(n.startswith("fp8 under tensor parallelism") for n in notes)
 
 
-def test_weight_all_gather_saves_the_same_bytes():
-    """The FP8 all-gather of the weights changes what is communicated, not what is saved: the
-    backward's dgrad copies are FP8 either way (the gathered copy transposed, or the gathered
-    bf16 weight quantized)."""
+def test_weight_all_gather_off_gathers_bf16_and_saves_the_same_bytes():
+    """``fp8_weight_all_gather=False``: every gather bf16, each lowered weight with a note. The
+    FP8 all-gather changes what is communicated, not what is saved: the backward's dgrad copies
+    are FP8 either way (the gathered copy transposed, or the gathered bf16 weight quantized)."""
     on, off = (_plan_mlp(fp8="tensorwise", fp8_weight_all_gather=v) for v in (True, False))
+    assert [n for n in off.notes if n.startswith("fp8 all-gather")] == [
+        f"fp8 all-gather: not for {m}: weight: off (fp8_weight_all_gather=False): the all-gather "
+        "moves bfloat16, quantized after it" for m in ("up", "down")]
     assert on.activation_bytes == off.activation_bytes
     assert "collectives in the forward: all_gather_into_tensor x2 (256.00 KiB out), all_reduce x1 (8 B out)" in on.notes
     assert "collectives in the forward: all_gather_into_tensor x2 (512.00 KiB out)" in off.notes
