@@ -69,10 +69,11 @@ _COMPILED_GAP = pytest.mark.xfail(strict=True, reason="AccumulateGrad's copies o
                                   "backward's gradients: counted in the real step only")
 
 
-# one_version (the compiled case): the compiled graphs under the tracker are covered on every
-# version by tests/test_estimate.py's SGD case
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[_COMPILED_GAP, pytest.mark.one_version])
-                                  if n.startswith("compiled") else n for n in worker.CASES])
+# one_version: two gloo ranks for a minute of CI; the estimate's FSDP2 path (FSDPMemTracker on
+# the fake process group) runs on every version in test_fsdp_estimate_is_one_ranks below
+@pytest.mark.one_version
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_COMPILED_GAP) if n.startswith("compiled")
+                                  else n for n in worker.CASES])
 def test_fsdp_rank_matches_real_step(name, measured):
     options, optimizer, micro_batches = worker.CASES[name]
     torch._dynamo.reset()
@@ -88,3 +89,23 @@ def test_fsdp_rank_matches_real_step(name, measured):
         assert abs(est.peak_bytes - real) <= TOLERANCE * real, (rank, est.peak_bytes, real, str(est))
     assert est.breakdown[Part.FSDP_BUFFERS] > 0
     assert sum(est.breakdown.values()) == est.peak_bytes
+
+
+def test_fsdp_estimate_is_one_ranks():
+    """On the fake process group alone: the estimate is rank 0's of 2, its parameters the local
+    shards (a rank's FSDP2 shards, not the whole model), FSDP2's unsharded parameters and
+    all-gather buffers counted as FSDP buffers, the peak in the blocks' backward."""
+    torch._dynamo.reset()
+    with fake_process_group(WORLD):
+        model, (tokens,) = worker.build(device="meta")
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        model = worker.shard(model, None, WORLD)
+        est = estimate(model, tokens, optimizer=worker.CASES["eager-adamw-2"][1],
+                       loss_fn=worker.loss_fn)
+    assert (est.world_size, est.rank) == (WORLD, 0)
+    assert whole // WORLD <= est.breakdown[Part.PARAMETERS] < whole
+    assert est.breakdown[Part.FSDP_BUFFERS] > 0
+    # AdamW: two moments like each local shard, and a step count per parameter
+    params = est.breakdown[Part.PARAMETERS]
+    assert 2 * params <= est.breakdown[Part.OPTIMIZER_STATE] <= 2 * params + 8 * 64
+    assert any("materialized in place" in n for n in est.notes)
