@@ -134,7 +134,8 @@ def test_weight_all_gather_off_gathers_bf16_and_saves_the_same_bytes():
         f"fp8 all-gather: not for {m}: weight: off (fp8_weight_all_gather=False): the all-gather "
         "moves bfloat16, quantized after it" for m in ("up", "down")]
     assert on.activation_bytes == off.activation_bytes
-    assert "collectives in the forward: all_gather_into_tensor x2 (256.00 KiB out), all_reduce x1 (8 B out)" in on.notes
+    assert ("collectives in the forward: all_gather_into_tensor x2 (256.00 KiB out), all_reduce "
+            "x1 (8 B out)") in on.notes
     assert "collectives in the forward: all_gather_into_tensor x2 (512.00 KiB out)" in off.notes
 
 

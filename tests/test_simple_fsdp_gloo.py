@@ -86,7 +86,8 @@ def test_fp8_weight_gathers_halve_the_lowered_weights_bytes(ranks):
             assert [c for c in on if c[0] == "all_reduce"] == [
                 ("all_reduce", "float32", (7,), "float32", 28)]
             assert not [c for c in off if c[0] == "all_reduce"]
-            scatters = [[c for c in calls if c[0] == "reduce_scatter_tensor"] for calls in (on, off)]
+            scatters = [[c for c in calls if c[0] == "reduce_scatter_tensor"]
+                        for calls in (on, off)]
             assert scatters[0] == scatters[1] and len(scatters[0]) == 12
             assert {c[1] for c in scatters[0]} == {"float32"}  # the policy's reduce dtype
 

@@ -98,10 +98,10 @@ def weight_gather_notes(fw: fx.GraphModule, bw: fx.GraphModule, parameter_names:
 SIMPLE_FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
     "FSDP in the graph (SimpleFSDP): a lowered weight whose all-gather moves FP8 is quantized "
     "shard by shard with the amax of the gathered weight (all-reduced, max, over the FSDP "
-    "group), the bits of quantizing the gathered weight; one moving its parameter dtype is quantized after the "
-    "all-gather (the fp8 all-gather notes say why); the gradients' reduce-scatters move the "
-    "gradient dtype; activation amaxes are this rank's batch rows, not reduced across "
-    "data-parallel ranks"))
+    "group), the bits of quantizing the gathered weight; one moving its parameter dtype is "
+    "quantized after the all-gather (the fp8 all-gather notes say why); the gradients' "
+    "reduce-scatters move the gradient dtype; activation amaxes are this rank's batch rows, not "
+    "reduced across data-parallel ranks"))
 
 
 FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
