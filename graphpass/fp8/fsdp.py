@@ -122,6 +122,10 @@ class FP8GatheredWeight(Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         return ["_data", "_scale_inv"], self.dtype
 
+    def _stable_hash_for_caching(self) -> str:
+        """What AOTAutograd's cache keys this input on (beside its inner tensors' metadata)."""
+        return f"graphpass.FP8GatheredWeight:{self.dtype}:{self._data.dtype}"
+
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, Tensor], dtype: torch.dtype, outer_size: Any,
                              outer_stride: Any) -> "FP8GatheredWeight":
