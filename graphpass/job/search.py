@@ -178,45 +178,45 @@ def roofline_seconds(graphs: Sequence[fx.GraphModule]) -> float:
     return total
 
 
-class _Slot(int):
-    """Where an input tensor goes in a layer's arguments."""
-
-
-def _slots(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Slot(len(tensors) - 1)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_slots(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return {k: _slots(v, tensors) for k, v in value.items()}
-    return value
-
-
-def _filled(value: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    if isinstance(value, _Slot):
-        return tensors[value]
-    if isinstance(value, (tuple, list)):
-        return type(value)(_filled(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return {k: _filled(v, tensors) for k, v in value.items()}
-    return value
-
-
 class _Flat(nn.Module):
-    """A decoder layer called with its tensors flat (``plan`` fakes only top-level inputs)."""
+    """A decoder layer called with its tensors flat (``plan`` fakes only top-level inputs): its
+    positional tensors, then per keyword a tensor, a tuple of tensors or a constant."""
 
     def __init__(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__()
         # under the path a model gives its layers (``layers.0``), which ``full`` recompute and
         # the report's per-layer rows read
         self.layers = nn.ModuleList([block])
-        self.inputs: list[torch.Tensor] = []
-        self._template = _slots((args, kwargs), self.inputs)
+        if not all(isinstance(a, torch.Tensor) for a in args):
+            raise ValueError("a decoder layer's positional inputs must be tensors")
+        self.inputs: list[torch.Tensor] = list(args)
+        self._positional = len(args)
+        self._keywords: list[tuple[str, int]] = []  # (name, -1 constant / 0 tensor / n tuple)
+        self._constants: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                self._keywords.append((name, 0))
+                self.inputs.append(value)
+            elif isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+                self._keywords.append((name, len(value)))
+                self.inputs.extend(value)
+            else:
+                self._keywords.append((name, -1))
+                self._constants[name] = value
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        args, kwargs = _filled(self._template, tensors)
-        out = self.layers[0](*args, **kwargs)
+        kwargs: dict[str, Any] = {}
+        i = self._positional
+        for name, n in self._keywords:
+            if n < 0:
+                kwargs[name] = self._constants[name]
+            elif n == 0:
+                kwargs[name] = tensors[i]
+                i += 1
+            else:
+                kwargs[name] = tuple(tensors[i:i + n])
+                i += n
+        out = self.layers[0](*tensors[:self._positional], **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -250,7 +250,7 @@ def plan_layer(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     report = Report.merge(partitioner.reports)
     peak = report.meta.get("step_peak", {}).get("bytes", report.activation_bytes)
     seconds = roofline_seconds([g for pair in partitioner.graphs for g in pair])
-    warnings = tuple(n for n in report.notes if n.startswith(("recompute:", "warning")))
+    warnings = tuple(n for n in report.notes if "nothing in this graph matched" in n)
     return LayerCost(report.activation_bytes, int(peak), seconds, warnings)
 
 
@@ -316,6 +316,8 @@ def search(problem: Problem, device_bytes: int) -> SearchResult:
                 problem.progress(f"planning layer kind {index + 1}/{len(kinds)}: {options.label()}")
                 config = Config.from_options(**{**options.backend_options(given), "codegen": "eager"})
                 costs[key] = plan_layer(block, args, kwargs, config)
+                result.notes.extend(f"{options.label()}: {n}" for n in costs[key].notes
+                                    if f"{options.label()}: {n}" not in result.notes)
             out.append((count, costs[key]))
         return out
 
