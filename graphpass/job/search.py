@@ -12,9 +12,9 @@ FSDP2's buffers, embedding, logits and loss) stays as it is. So the search:
    (each op ``max(FLOPs / peak, bytes / bandwidth)`` at its operands' dtype, views free, run op by
    op: Inductor's fusion is not modelled, nor communication);
 2. estimates the whole step once per micro-batch size under the options given
-   (``graphpass.estimate``; with ``layers`` given, at that many decoder layers and two more
-   where the model repeats one kind of layer, each phase's peak extended linearly to the
-   model's layer count);
+   (``graphpass.estimate``, through ``Problem.estimate``: ``graphpass fit`` counts the job as
+   given at every layer and other micro-batch sizes at one and two layers of the kind the model
+   repeats, each phase's peak extended linearly to its layer count, :func:`scaled`);
 3. predicts each option set's peak from that estimate: the forward's, loss's and backward's
    peaks move by every layer's change of saved activations plus one layer's change of
    transients, the zero_grad's and optimizer step's do not;
