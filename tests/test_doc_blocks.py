@@ -1,4 +1,4 @@
-"""Every Python block of README.md and docs/ is one that conftest.py's Sybil parsers run: a
+"""Every Python block of README.md and docs/ is one that tests/test_doc_pages.py runs: a
 fence whose language is exactly ``python`` (another spelling, ``py`` or ``python3``, would be
 rendered as Python and never run), and each skip says why."""
 import re
