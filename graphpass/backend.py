@@ -19,6 +19,7 @@ from . import _compat
 from .config import Config
 from .decisions import Decision, What
 from .graph.nodes import Root, Step, frame_arguments, frame_roots, parse_source, root_steps
+from .graph import cuda_attention
 from .graph.foreign import frame_library_modules, library_modules
 from .pipeline import run
 from .report import Report
@@ -34,6 +35,8 @@ class GraphInputs(NamedTuple):
     """Whether any is a weight FSDP2 manages (all-gathered before the graph runs)."""
     child_frames: tuple[Decision, ...] = ()
     """Where the frame is a child module's forward: its note (``_child_frame``)."""
+    attention: tuple[Decision, ...] = ()
+    """On fake tensors: the attention traced as CUDA's kernel (``graph/cuda_attention.py``)."""
 
 
 # Set around a compile, read by the partitioner that compile calls.
@@ -71,7 +74,7 @@ class Partitioner(_compat.custom_partitioner_base()):  # type: ignore[misc]
                                        fsdp=_graph_inputs.get().fsdp)
         self.selections.add(selected)
         if report is not None:
-            for decision in _graph_inputs.get().child_frames:
+            for decision in (*_graph_inputs.get().child_frames, *_graph_inputs.get().attention):
                 report.decisions.append(decision)
                 report.notes.append(str(decision))
             if self.options_from:
@@ -153,7 +156,7 @@ class Backend:
 
 
 def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner,
-                  *, runs: bool):
+                  *, runs: bool, fake: bool = False):
     """AOTAutograd with Inductor's decompositions and joint-graph passes, but no code generation.
 
     The joint graph our partition sees is then the same as under Inductor, so reports agree
@@ -164,8 +167,15 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner
     eager RNG (Inductor's ``fallback_random``). Inductor replaces dropout by per-graph seeds and
     a seeded ``inductor_random`` that only its generated kernels honour; run as-is, that op
     ignores its seed, so a mask recomputed in the backward would differ from the forward's.
+
+    ``fake``: ``gm``'s tensors are fake CPU tensors standing for a GPU's (``plan``, ``estimate``;
+    never a graph that runs on real tensors): an attention the CPU would run by SDPA's math path
+    is traced as the kernel CUDA runs (``graph/cuda_attention.py``), with a note.
     """
     from functorch.compile import make_boxed_func
+
+    if fake and (attention := cuda_attention.rewrite(gm)):
+        _graph_inputs.set(_graph_inputs.get()._replace(attention=tuple(attention)))
 
     def run_as_is(graph: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
         return make_boxed_func(graph.forward)

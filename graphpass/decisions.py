@@ -80,6 +80,9 @@ class What(enum.Enum):
     OUTSIDE_GRAPH = "outside the graph: {module}: {why}"
     # a frame whose code is a child module's forward (a graph break inside it)
     CHILD_FRAME = "compiled frame: {module}: {why}"
+    # attention on the fake CPU tensors of plan and estimate (graph/cuda_attention.py)
+    CUDA_ATTENTION = "attention as on CUDA: {module}: {why}"
+    MATH_ATTENTION = "attention by the math path: {module}: {why}"
 
 
 class OpaqueOpWarning(UserWarning):

@@ -45,7 +45,7 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None,
 
     def planning_backend(gm: torch.fx.GraphModule, inputs: Any):
         with input_sources(gm):
-            return eager_compile(gm, inputs, partitioner, runs=False)
+            return eager_compile(gm, inputs, partitioner, runs=False, fake=True)
 
     compiled = torch.compile(fake_module, backend=planning_backend, dynamic=False)
     with mode, _compat.unlimited_recompiles():

@@ -92,7 +92,7 @@ class EstimateGraphs:
         if key not in self._compiled:  # a repeated block's graph: compiled and counted once
             with input_sources(gm):
                 self._compiled[key] = eager_compile(gm, example_inputs, self.partitioner,
-                                                    runs=True)
+                                                    runs=True, fake=True)
         return self._compiled[key]
 
     def count(self, graph_pass: GraphPass) -> None:
