@@ -82,3 +82,15 @@ def test_real_compile_keeps_torchs_sdpa():
     report = backend.report()
     assert not any(d.what in (What.CUDA_ATTENTION, What.MATH_ATTENTION) for d in report.decisions)
     assert not any("efficient_attention" in r.op for r in report.rows)
+
+
+def test_estimate_notes_the_attention_traced_as_on_cuda():
+    with torch.device("meta"):
+        model = TwoAttentions().to(torch.bfloat16)
+    x = torch.zeros(BATCH, SEQ, HIDDEN, dtype=torch.bfloat16, device="meta")
+    est = graphpass.estimate(model, x, optimizer=None, config=graphpass.Config(codegen="eager"))
+    assert [n.split(":")[0] for n in est.notes if n.startswith("attention ")] == [
+        "attention as on CUDA", "attention by the math path"]
+    efficient = [r for r in est.report.rows
+                 if r.op == "aten._scaled_dot_product_efficient_attention"]
+    assert sum(r.bytes for r in efficient) == BATCH * HEADS * SEQ * (V * 2 + 4) + 16

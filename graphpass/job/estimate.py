@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from .. import _compat
 from ..config import Config, given
+from ..decisions import What
 from ..plan import _fake_like
 from .._compat.mem_tracker import fake_mode_for_meta
 from .budget import budgeted, job_budget, outside_graphs
@@ -399,11 +400,15 @@ def _result(tracker: Any, graphs: EstimateGraphs | None, notes: list[str],
 def _graph_notes(graphs: EstimateGraphs) -> list[str]:
     runs, distinct = sum(graphs.runs.values()), len(graphs.corrections)
     what = f"{runs} compiled graph run(s) ({distinct} distinct graph(s))"
+    # attention traced as CUDA's kernel (or left to the math path) on the fake tensors
+    attention = dict.fromkeys(str(d) for r in graphs.reports for d in r.decisions
+                              if d.what in (What.CUDA_ATTENTION, What.MATH_ATTENTION))
     if graphs.config.codegen == "eager":
-        return [f"counted: {what} run as-is (codegen='eager'), every tensor they allocate"]
+        return [f"counted: {what} run as-is (codegen='eager'), every tensor they allocate",
+                *attention]
     return [f"estimated: the transients of {what} under Inductor's code, from graphpass's "
             "step-peak model (graph/peak.py) in place of the graphs run as-is; their saved "
-            "activations are counted"]
+            "activations are counted", *attention]
 
 
 def _compute_device(samples: dict[tuple[str, Key], Sample]) -> str:
