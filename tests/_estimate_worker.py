@@ -8,6 +8,10 @@ Each case (``CASES``) builds the tiny Llama language model on the CPU in bf16, a
 has options, runs one step to warm up (the optimizer's state, the compiles) and measures the
 second: zero_grad, forward, loss and backward per micro-batch, the optimizer's step. The peaks
 go to ``OUT_DIR/peaks-<rank>.pt``.
+
+Two things the tracker itself would add are left out: gloo's own scratch
+(``_without_gloo_scratch``) and the gradient copies its ``ModTracker`` causes on a compiled
+block (``_without_parameter_grad_hooks``).
 """
 
 from __future__ import annotations
@@ -87,6 +91,27 @@ def _without_gloo_scratch() -> None:
         setattr(dist, name, completed)
 
 
+def _without_parameter_grad_hooks() -> None:
+    """torch's ``ModTracker`` (inside ``FSDPMemTracker``) registers a multi-gradient hook on each
+    module's inputs. On real tensors, a block compiled with ``Module.compile`` under FSDP2 gets
+    its unsharded parameters among those inputs; the hook keeps each parameter's gradient in its
+    buffer until all have arrived, so AccumulateGrad cannot take the gradient the compiled backward
+    returns and copies it (``new_empty_strided`` + ``copy_``). The same step without the tracker
+    takes them (no copy); the fake step the estimate runs registers no such hook. The hooks here
+    see the inputs other than parameters, which is what the tracker's module bookkeeping needs."""
+    from torch.distributed._tools import mod_tracker
+
+    register = mod_tracker.register_multi_grad_hook
+
+    def inputs_only(tensors, fn, *args, _register=register, **kwargs):
+        kept = [t for t in tensors if not isinstance(t, torch.nn.Parameter)]
+        if not kept:  # parameters alone (no module of this model): nothing to hook
+            return None
+        return _register(kept, fn, *args, **kwargs)
+
+    mod_tracker.register_multi_grad_hook = inputs_only
+
+
 def measure(name: str, world: int) -> int:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -131,6 +156,7 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     _without_gloo_scratch()
+    _without_parameter_grad_hooks()
     try:
         peaks = {name: measure(name, world) for name in (argv[4:] or CASES)}
     finally:

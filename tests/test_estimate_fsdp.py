@@ -60,20 +60,10 @@ def measured(request, tmp_path_factory) -> list[dict[str, int]]:
     return [torch.load(out / f"peaks-{r}.pt") for r in range(WORLD)]
 
 
-# Known gap, asserted to stay a gap until it is closed (strict): with the blocks compiled the
-# estimate is 5.4% under gloo's peak on torch 2.13 (7,914,504 B against 8,364,552 B). In the real
-# step, AccumulateGrad copies each gradient the compiled backward returns into a new tensor
-# (new_empty_strided + copy_, 1,180,672 B per block) after the backward graph; under fake
-# tensors it takes the gradient as it is.
-_COMPILED_GAP = pytest.mark.xfail(strict=True, reason="AccumulateGrad's copies of a compiled "
-                                  "backward's gradients: counted in the real step only")
-
-
 # one_version: two gloo ranks for a minute of CI; the estimate's FSDP2 path (FSDPMemTracker on
 # the fake process group) runs on every version in test_fsdp_estimate_is_one_ranks below
 @pytest.mark.one_version
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_COMPILED_GAP) if n.startswith("compiled")
-                                  else n for n in worker.CASES])
+@pytest.mark.parametrize("name", list(worker.CASES))
 def test_fsdp_rank_matches_real_step(name, measured):
     options, optimizer, micro_batches = worker.CASES[name]
     torch._dynamo.reset()
