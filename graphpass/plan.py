@@ -27,8 +27,10 @@ def plan(module: nn.Module, *example_inputs: Any, config: Config | None = None,
     fake tensors of the same shape, dtype, strides and ``requires_grad`` (the caller's module is
     untouched), so a Llama-3-8B layer at sequence 8192 plans in seconds on a laptop CPU. Tensors
     on the meta device are planned as CPU tensors: meta has no fused attention kernel, and its
-    math-path attention would save a seq x seq matrix that no real device saves. Graph breaks
-    give one report per graph, merged.
+    math-path attention would save a seq x seq matrix that no real device saves; an SDPA whose
+    value head dim differs from the query's, which the CPU's flash kernel does not take, is
+    traced as CUDA's memory-efficient kernel, with a note (``graph/cuda_attention.py``). Graph
+    breaks give one report per graph, merged.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"graphpass.plan takes an nn.Module, not {type(module).__name__}; wrap a "
