@@ -38,17 +38,19 @@ def _activations(report):
 # --- options --------------------------------------------------------------------------------------
 
 def test_bad_values_name_the_fix():
-    with pytest.raises(ValueError, match=r"fp8_cache='everything'; valid values are: None, "
-                                         r"'act_input', 'attn', 'layer_input', 'all'"):
-        graphpass.Config(fp8_cache="everything")
-    with pytest.raises(ValueError, match="fp8_cache_format='e4m3'; valid values are"):
-        graphpass.Config(fp8_cache="all", fp8_cache_format="e4m3")
-    assert [str(u) for u in graphpass.Config(fp8_cache_format="e5m2_tensor").unused()] == [
-        "fp8_cache_format='e5m2_tensor' has no effect without fp8_cache='act_input' (or another "
-        "level)"]
-    with pytest.raises(ValueError, match="fp8_cache_min_bytes=-1; expected a count of 0 or more"):
-        graphpass.Config(fp8_cache="all", fp8_cache_min_bytes=-1)
-    assert graphpass.Config().fp8_cache is None  # off by default
+    with pytest.raises(ValueError, match=r"fp8_activation_cache='everything'; valid values are: "
+                                         r"None, 'act_input', 'attn', 'layer_input', 'all'"):
+        graphpass.Config(fp8_activation_cache="everything")
+    with pytest.raises(ValueError, match="fp8_activation_cache_format='e4m3'; valid values are"):
+        graphpass.Config(fp8_activation_cache="all", fp8_activation_cache_format="e4m3")
+    unused = graphpass.Config(fp8_activation_cache_format="e5m2_tensor").unused()
+    assert [str(u) for u in unused] == [
+        "fp8_activation_cache_format='e5m2_tensor' has no effect without "
+        "fp8_activation_cache='act_input' (or another level)"]
+    with pytest.raises(ValueError,
+                       match="fp8_activation_cache_min_bytes=-1; expected a count of 0 or more"):
+        graphpass.Config(fp8_activation_cache="all", fp8_activation_cache_min_bytes=-1)
+    assert graphpass.Config().fp8_activation_cache is None  # off by default
 
 
 # --- formats and their error bounds ---------------------------------------------------------------
