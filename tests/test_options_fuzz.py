@@ -32,17 +32,17 @@ FIELDS = {
     "fp8_pow2_scales": st.one_of(st.none(), st.booleans()),
     "fp8_exclude": st.lists(st.sampled_from(["output", "*.gate", "layers.0.*"]), max_size=2),
     "fp8_min_gemm_flops": st.integers(-5, 10**9),
-    "save_original_modules": st.lists(st.sampled_from(["*.o_proj", "mlp.*"]), max_size=2),
+    "fp8_save_original_input_modules": st.lists(st.sampled_from(["*.o_proj", "mlp.*"]), max_size=2),
     "recompute": st.lists(st.sampled_from([*RECOMPUTE_MODULES, "attention"]), max_size=3),
     "recompute_num_layers": st.integers(-1, 4),
     "recompute_include": st.lists(st.sampled_from(["*", "layers.0.*"]), min_size=1, max_size=2),
-    "recompute_budget": st.one_of(st.none(), st.floats(-1, 2), st.just(float("nan"))),
+    "planner_recompute_budget": st.one_of(st.none(), st.floats(-1, 2), st.just(float("nan"))),
     "memory_budget": st.one_of(st.none(), st.integers(-5, 1 << 40), st.floats(-1, 2)),
     "offload": st.booleans(),
     "offload_stream": st.one_of(st.none(), st.booleans()),
     "offload_min_bytes": st.integers(-5, 1 << 22),
     "offload_exclude": st.lists(st.sampled_from(["aten.mm", "layers.0.*"]), max_size=2),
-    "fp8_cache_min_bytes": st.integers(-5, 1 << 20),
+    "fp8_activation_cache_min_bytes": st.integers(-5, 1 << 20),
 }
 OPTIONS = st.dictionaries(
     st.sampled_from([*FIELDS, "fp8_recipe", "recompute_modules"]),
@@ -80,9 +80,9 @@ def test_any_options_are_a_backend_or_one_clear_value_error(options):
     ({"offload_stream": True}, "offload_stream=True has no effect without offload=True"),
     ({"offload_stream": False}, "offload_stream=False has no effect without offload=True"),
     ({"offload_min_bytes": 0}, "offload_min_bytes=0 has no effect without offload=True"),
-    ({"save_original_modules": ("*.o_proj",)},
-     "save_original_modules=('*.o_proj',) has no effect without fp8='tensorwise' (or another "
-     "recipe)"),
+    ({"fp8_save_original_input_modules": ("*.o_proj",)},
+     "fp8_save_original_input_modules=('*.o_proj',) has no effect without fp8='tensorwise' (or "
+     "another recipe)"),
     ({"kernels": "te"}, "kernels='te' has no effect without fp8='tensorwise' (or another recipe)"),
     ({"recompute_method": "block"}, "recompute_method='block' has no effect without "
                                     "recompute=('full',)"),
@@ -91,8 +91,9 @@ def test_any_options_are_a_backend_or_one_clear_value_error(options):
     ({"recompute_include": ("layers.0.*",)}, "recompute_include=('layers.0.*',) has no effect "
                                              "without a recompute selection such as "
                                              "recompute=('core_attn',)"),
-    ({"fp8_cache_min_bytes": 0}, "fp8_cache_min_bytes=0 has no effect without "
-                                 "fp8_cache='act_input' (or another level)"),
+    ({"fp8_activation_cache_min_bytes": 0}, "fp8_activation_cache_min_bytes=0 has no effect "
+                                            "without fp8_activation_cache='act_input' (or another "
+                                            "level)"),
     ({"order_backward": True, "codegen": "eager"},
      "order_backward=True has no effect without codegen='inductor' (graphs run as they are under "
      "codegen='eager')"),
@@ -119,10 +120,11 @@ def test_option_without_effect_is_a_note(options, note):
     ({"recompute": ("attention",)}, "invalid graphpass option recompute='attention'; valid values"),
     ({"recompute": "mlp"}, "expected a tuple of strings: write recompute=('mlp',)"),
     ({"recompute_num_layers": True, "recompute": ("full",)}, "expected an int"),
-    ({"recompute_budget": float("inf")}, "recompute_budget=inf; expected a fraction"),
+    ({"planner_recompute_budget": float("inf")}, "planner_recompute_budget=inf; expected a fraction"),
     ({"offload": True, "offload_min_bytes": -1}, "offload_min_bytes=-1; expected a count of 0"),
     ({"fp8_recipe": "tensorwise"}, "unknown graphpass option(s) 'fp8_recipe'; valid options are"),
-    ({"fp8_cache": "activations"}, "invalid graphpass option fp8_cache='activations'; valid values"),
+    ({"fp8_activation_cache": "activations"},
+     "invalid graphpass option fp8_activation_cache='activations'; valid values"),
 ])
 def test_invalid_combination_names_the_fix(options, message):
     with pytest.raises(ValueError) as e:
@@ -133,7 +135,7 @@ def test_invalid_combination_names_the_fix(options, message):
 def test_sweep_options_are_exempt_from_the_unused_notes():
     # sweeps over fp8 (None included) set these at every point: the CLI's shared flags, and
     # test_memory_passes' UNOPTIMISED baseline
-    assert Config(save_original="never", memory="default").unused() == ()
+    assert Config(fp8_save_original_input="never", memory_planner="default").unused() == ()
     assert Config(fp8_exclude=("output", "*.gate")).unused() == ()
 
 
