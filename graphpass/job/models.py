@@ -202,20 +202,26 @@ def describe(config: Any) -> str:
 
 # -- building ------------------------------------------------------------------------------------
 
+class Split(enum.Enum):
+    """How a linear's weight splits across the tensor-parallel ranks."""
+
+    OUTPUT = enum.auto()  # by output features: torch's ColwiseParallel
+    INPUT = enum.auto()  # by input features, an all-reduce after: torch's RowwiseParallel
+
+
 # Megatron-style tensor parallelism of decoder layers, per model type: the linears that read the
 # residual stream split by output features (ColwiseParallel), the ones that write it split by
 # input features (RowwiseParallel, an all-reduce after). Anything not listed stays whole on
 # every rank. Routed experts (3-D weights of transformers' fused experts) have no plan here.
-_ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-              "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"}
-_MLP = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
-_MLA = {"self_attn.q_proj": "colwise", "self_attn.q_b_proj": "colwise",
-        "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise"}
-_SHARED = {"mlp.shared_expert.gate_proj": "colwise", "mlp.shared_expert.up_proj": "colwise",
-           "mlp.shared_expert.down_proj": "rowwise",
-           "mlp.shared_experts.gate_proj": "colwise", "mlp.shared_experts.up_proj": "colwise",
-           "mlp.shared_experts.down_proj": "rowwise"}
-TP_PLANS: dict[str, dict[str, str]] = {
+_OUT, _IN = Split.OUTPUT, Split.INPUT
+_ATTENTION = {"self_attn.q_proj": _OUT, "self_attn.k_proj": _OUT, "self_attn.v_proj": _OUT,
+              "self_attn.o_proj": _IN}
+_MLP = {"mlp.gate_proj": _OUT, "mlp.up_proj": _OUT, "mlp.down_proj": _IN}
+_MLA = {"self_attn.q_proj": _OUT, "self_attn.q_b_proj": _OUT, "self_attn.kv_b_proj": _OUT,
+        "self_attn.o_proj": _IN}
+_SHARED = {f"mlp.{shared}.{name}": split for shared in ("shared_expert", "shared_experts")
+           for name, split in (("gate_proj", _OUT), ("up_proj", _OUT), ("down_proj", _IN))}
+TP_PLANS: dict[str, dict[str, Split]] = {
     "llama": {**_ATTENTION, **_MLP},
     "mistral": {**_ATTENTION, **_MLP},
     "qwen2": {**_ATTENTION, **_MLP},
@@ -299,7 +305,7 @@ def _tensor_parallel(blocks: list[nn.Module], config: Any, parallel: Parallel,
         raise JobError(f"tensor parallel degree {tp} must divide the attention heads ({heads}) and "
                        f"the key/value heads ({kv_heads})")
     mesh = mesh["tp"]
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = {Split.OUTPUT: ColwiseParallel, Split.INPUT: RowwiseParallel}
     left: set[str] = set()
     for block in blocks:
         names = dict(block.named_modules())

@@ -39,6 +39,7 @@ from torch import nn
 from .. import _compat
 from ..backend import Partitioner, eager_compile, input_sources
 from ..config import Config
+from ..fp8.recipes import Scaling
 from ..graph.flops import node_flops
 from ..graph.roofline import H100
 from ..plan import _fake_like, _to_fake
@@ -46,7 +47,8 @@ from ..report import Report
 from ..report.totals import format_bytes
 from .result import JobEstimate, Phase
 
-RECIPES: tuple[str | None, ...] = (None, "tensorwise", "rowwise", "blockwise")
+RECIPES: tuple[str | None, ...] = (None, *(s.value for s in (Scaling.TENSORWISE, Scaling.ROWWISE,
+                                                            Scaling.BLOCKWISE)))
 # Phases whose peak holds the decoder layers' saved activations.
 ACTIVE = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
 
