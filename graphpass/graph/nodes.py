@@ -192,3 +192,12 @@ def is_random(node: fx.Node) -> bool:
 def tensor_val(node: fx.Node) -> torch.Tensor | None:
     val = node.meta.get("val")
     return val if isinstance(val, torch.Tensor) else None
+
+
+def replace_tuple_node(graph: fx.Graph, node: fx.Node, outputs: list[fx.Node]) -> None:
+    """Replace ``node``, an op returning a tuple read through ``getitem`` users, by ``outputs``
+    (one node per tuple element), and erase it and its ``getitem`` users."""
+    for user in list(node.users):
+        user.replace_all_uses_with(outputs[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)

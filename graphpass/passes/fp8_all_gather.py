@@ -39,7 +39,7 @@ from ..fp8.ops import AMAX, QUANTIZE_AMAX
 from ..graph.joint import (Side, copy_checkpoint_tags, in_user_checkpoint, partition_side,
                            set_partition_side)
 from ..graph.collectives import gathered_parameter
-from ..graph.nodes import module_path, op_name
+from ..graph.nodes import module_path, op_name, replace_tuple_node
 from ..graph.ops import COLLECTIVE_GATHERS, COLLECTIVE_WAITS, GATHER_LAYOUT
 from .partitioner import TrialPartitioner
 
@@ -244,10 +244,7 @@ def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path
                 record(col, quantized=Quantized(role, True, x, recipe))
                 first = 2 if usage == "both" else 0
                 outputs[first], outputs[first + 1] = col, scale_inv
-        for user in list(old_q.users):
-            user.replace_all_uses_with(outputs[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(old_q)
+        replace_tuple_node(graph, old_q, outputs)
     for old in reversed([wait, *path]):
         for user in list(old.users):  # dead views the lowering left
             if not user.users and user not in path:

@@ -25,7 +25,7 @@ from ..fp8 import recipes
 from ..fp8.fsdp import FSDP_FP8_WEIGHT
 from ..fp8.ops import QUANTIZE
 from ..graph.joint import FSDP_FP8_DATA, FSDP_FP8_SCALE, partition_side, set_partition_side
-from ..graph.nodes import module_path, op_name
+from ..graph.nodes import module_path, op_name, replace_tuple_node
 from .partitioner import TrialPartitioner
 
 _LAYOUT = ("aten.permute", "aten.t", "aten.view", "aten.reshape", "aten._unsafe_view")
@@ -109,7 +109,4 @@ def _replace(graph: fx.Graph, q: fx.Node, data: fx.Node, scale_inv: fx.Node) -> 
             record(node, quantized=Quantized("weight", True, data, q.args[1]))
         first = 2 if usage == "both" else 0
         outputs[first], outputs[first + 1] = col, scale_inv
-    for user in list(q.users):
-        user.replace_all_uses_with(outputs[user.args[1]])
-        graph.erase_node(user)
-    graph.erase_node(q)
+    replace_tuple_node(graph, q, outputs)
