@@ -34,6 +34,32 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
                               // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--first-params", action="store_true",
+        help="run each parametrized test with its first parameter set only (CI's later torch "
+             "versions; the first version runs every set): tests marked every_param keep theirs")
+
+
+@pytest.hookimpl(trylast=True)  # after -m's deselection: the first set that is left runs
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--first-params"):
+        return
+    seen: set[str] = set()
+    keep, drop = [], []
+    for item in items:
+        function = item.nodeid.split("[", 1)[0]
+        if (getattr(item, "callspec", None) is None or function not in seen
+                or item.get_closest_marker("every_param")):
+            keep.append(item)
+        else:
+            drop.append(item)
+        seen.add(function)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test: CPU kernels that split a sum over threads (embedding's
