@@ -39,7 +39,7 @@ class What(enum.Enum):
     FP8_ALL_GATHER = "fp8 all-gather: {module}: {why}"
     NOT_FP8_ALL_GATHER = "fp8 all-gather: not for {module}: {why}"
     REQUANTIZED = "save original: {module} re-quantizes its saved input in the backward"
-    WEIGHT_ONCE = "fp8_weight_once: {module}: {why}"
+    WEIGHT_ONCE = "fp8_save_quantized_weight: {module}: {why}"
     WEIGHT_CACHED = "fp8_weight_cache: {module}: {why}"
     WEIGHT_NOT_CACHED = "fp8_weight_cache: not cached: {module}: {why}"
     WEIGHT_CACHE = "fp8_weight_cache: {why}"
@@ -192,7 +192,7 @@ class Plan:
     selected: dict[tuple[str, str], int] = field(default_factory=dict)
     """How many nodes (or linears, or saved tensors) each selection of the config found in this
     graph: ``("recompute", word)``, ``("recompute_include", pattern)``, ``("fp8_exclude",
-    pattern)``, ``("fp8_cache", level)``; the backend warns about one that finds nothing in any
+    pattern)``, ``("fp8_activation_cache", level)``; the backend warns about one that finds nothing in any
     graph (``graphpass/selections.py``)."""
 
     def count(self, option: str, value: str, found: int) -> None:

@@ -39,7 +39,7 @@ def expected(config: Config) -> dict[tuple[str, str], str]:
     if config.fp8 is not None and config.fp8_weight_cache is True:  # "auto": the planner's notes
         out[("fp8_weight_cache", "weights")] = "lowered weights that are parameters"
     if config.fp8_activation_cache is not None:
-        out[("fp8_cache", config.fp8_activation_cache)] = _CACHE_LOOKS_FOR.get(config.fp8_activation_cache, "saved tensors")
+        out[("fp8_activation_cache", config.fp8_activation_cache)] = _CACHE_LOOKS_FOR.get(config.fp8_activation_cache, "saved tensors")
     return out
 
 

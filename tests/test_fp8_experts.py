@@ -131,7 +131,7 @@ def test_memory_passes_on_fp8_experts_are_bit_identical(recipe):
         if "moe_act" in policy.get("recompute", ()):
             assert "recomputed: moe_act in backward: layers.0.mlp.experts" in report.notes
         if policy.get("fp8_weight_once"):
-            assert any(n.startswith("fp8_weight_once: layers.0.mlp.experts: the weight's two FP8 "
+            assert any(n.startswith("fp8_save_quantized_weight: layers.0.mlp.experts: the weight's two FP8 "
                                     "copies") for n in report.notes), report.notes
 
 

@@ -218,7 +218,7 @@ def test_fp8_weight_once_saves_each_weights_dgrad_copy():
     assert once.activation_bytes - default.activation_bytes == 589_824 + 7 * 4
     for name, (k, n) in weights.items():
         module = ("layers.0.self_attn." if name[0] in "qkvo" else "layers.0.mlp.") + name
-        assert (f"fp8_weight_once: {module}: the weight's two FP8 copies quantized in the "
+        assert (f"fp8_save_quantized_weight: {module}: the weight's two FP8 copies quantized in the "
                 f"forward, from one read; dgrad's copy saved ({k * n + 4:,} B)") in once.notes
 
 

@@ -636,20 +636,20 @@ def test_fp8_weight_once_note_says_whether_dgrads_copy_is_saved(recompute, cache
     torch.manual_seed(0)
     report = graphpass.plan(_Stack(32, ["mlp"]), torch.randn(2, 16, 32), config=graphpass.Config(
         fp8="tensorwise", fp8_weight_once=True, recompute=recompute, fp8_weight_cache=cache))
-    notes = [n for n in report.notes if n.startswith("fp8_weight_once")]
+    notes = [n for n in report.notes if n.startswith("fp8_save_quantized_weight")]
     weight_rows = [r.module for r in report.rows if r.kind == "fp8_data" and r.shape == (32, 64)]
     head = "the weight's two FP8 copies quantized in the forward, from one read"
     if cache:
-        assert notes == [f"fp8_weight_once: layers.0.{m}: {head} once per optimizer step "
+        assert notes == [f"fp8_save_quantized_weight: layers.0.{m}: {head} once per optimizer step "
                          "(fp8_weight_cache), looked up by the backward: dgrad's copy held by "
                          "the cache, not saved" for m in ("fc1", "fc2")]
         assert not weight_rows
     elif not recompute:
-        assert notes == [f"fp8_weight_once: layers.0.{m}: {head}; dgrad's copy saved (2,052 B)"
+        assert notes == [f"fp8_save_quantized_weight: layers.0.{m}: {head}; dgrad's copy saved (2,052 B)"
                          for m in ("fc1", "fc2")]
         assert weight_rows == ["layers.0.fc1"]
     else:
-        assert notes == [f"fp8_weight_once: layers.0.{m}: {head}, and again in the backward "
+        assert notes == [f"fp8_save_quantized_weight: layers.0.{m}: {head}, and again in the backward "
                          f"(recompute {recompute[0]}): dgrad's copy recomputed, not saved"
                          for m in ("fc1", "fc2")]
         assert not [r for r in report.rows if r.kind.startswith("fp8")]

@@ -193,7 +193,7 @@ def test_a_cache_level_that_finds_nothing_warns():
             return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
     messages, _ = _compile_twice(dict(fp8_cache="layer_input", fp8_cache_min_bytes=0), NoNorm(), _x())
-    assert len(messages) == 1 and "fp8_cache='layer_input' selected nothing" in messages[0], messages
+    assert len(messages) == 1 and "fp8_activation_cache='layer_input' selected nothing" in messages[0], messages
     assert "saved tensors a norm reads" in messages[0]
 
 

@@ -55,7 +55,7 @@ def outcome_notes(fw: fx.GraphModule, bw: fx.GraphModule, *,
 
 
 def weight_once_outcome(decisions: list[Decision], bw: fx.GraphModule) -> list[Decision]:
-    """``decisions`` with each ``fp8_weight_once`` note of a weight whose quantize of both usages
+    """``decisions`` with each ``fp8_save_quantized_weight`` note of a weight whose quantize of both usages
     the backward recomputes (a recompute selection took it, or the memory budget, or your
     checkpoint) saying so: its note, written before those passes, says dgrad's copy is saved,
     and the partition saves nothing of it."""

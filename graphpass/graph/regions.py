@@ -428,7 +428,7 @@ class Regions:
                 if op_name(n) == QUANTIZE:
                     outputs = [u for u in users if op_name(u) == "getitem"]
                     backward_only = all(not self._users(g) for g in outputs) and len(outputs) == len(users)
-                    # a quantize of both usages (save_original="never", fp8_weight_once): the
+                    # a quantize of both usages (save_original="never", fp8_save_quantized_weight): the
                     # outputs the forward reads all in the region, the others read by the
                     # backward alone. Taken whole: torch's min-cut recomputes an op's outputs
                     # together or not at all, and cannot save the tuple itself.

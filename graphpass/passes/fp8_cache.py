@@ -50,7 +50,7 @@ def fp8_cache(joint: fx.GraphModule, plan: Plan, config: Config,
         return
     saved, recomputed = partitioner.saves(joint)
     selected = _select(joint, saved, config.fp8_activation_cache, plan.parameters)
-    plan.count("fp8_cache", config.fp8_activation_cache, len(selected))
+    plan.count("fp8_activation_cache", config.fp8_activation_cache, len(selected))
     graph = joint.graph
     copies = _lowered_copies(joint)
     small, cached = [], {}

@@ -54,7 +54,7 @@ the weights after that run one by one (each one partition)."""
 @dataclass
 class Candidate:
     """A lowered weight that is a parameter, and its forward quantizes: one per usage (fprop's
-    rowwise, dgrad's columnwise) or one of both usages (``fp8_weight_once``)."""
+    rowwise, dgrad's columnwise) or one of both usages (``fp8_save_quantized_weight``)."""
 
     weight: fx.Node
     quantizes: list[fx.Node]

@@ -61,7 +61,7 @@ def recompute(joint: fx.GraphModule, plan: Plan, config: Config,
 
 def _whole_ops(selected: dict[fx.Node, str]) -> None:
     """A selected output of a multi-output op another pass tagged must-save (a quantize of both
-    usages: ``save_original="never"``, ``fp8_weight_once``) takes the op with it: torch's min-cut
+    usages: ``save_original="never"``, ``fp8_save_quantized_weight``) takes the op with it: torch's min-cut
     recomputes an op's outputs together or not at all and cannot save the tuple itself, so the
     two tags would leave it no partition. The selections take such quantizes whole already
     (``Regions._complete``); this keeps any selection in agreement with the op's tag."""

@@ -13,7 +13,7 @@ re-quantized bits identical to the forward's, so this choice never changes numer
 
 This is about linear *inputs*, as TE's flag is. A weight's second copy (dgrad's) is left to the
 min-cut, which re-quantizes it in the backward: the weight is resident anyway, so that costs no
-memory, only one more read of the weight. ``fp8_weight_once`` quantizes both of a weight's
+memory, only one more read of the weight. ``fp8_save_quantized_weight`` quantizes both of a weight's
 copies in one forward op instead and saves dgrad's (as TE does): one read of the weight per
 step, for 1 byte per weight element held until the backward.
 """
@@ -77,16 +77,16 @@ def _weight_once(graph: fx.Graph, plan: Plan, w: fx.Node, by_usage: dict[str, fx
     row, col = by_usage.get("rowwise"), by_usage.get("columnwise")
     module = module_path(row or col)
     if row is None or col is None:
-        plan.decide(Decision(What.WEIGHT_ONCE, "fp8_weight_once", "the weight has one FP8 copy "
+        plan.decide(Decision(What.WEIGHT_ONCE, "fp8_save_quantized_weight", "the weight has one FP8 copy "
                              "(no dgrad reads it): nothing to save", module, w.name))
         return
     # the copy the backward reads: dgrad's (the columnwise one, the rowwise one for a weight
     # stored [in, out])
     backward = col if any(is_backward(u) for g in col.users for u in g.users) else row
-    nbytes = sum(tensor_bytes(v, where=f"fp8_weight_once's size of {w.name}")
+    nbytes = sum(tensor_bytes(v, where=f"fp8_save_quantized_weight's size of {w.name}")
                  for v in backward.meta["val"])
     merge_usages(graph, row, col)
-    plan.decide(Decision(What.WEIGHT_ONCE, "fp8_weight_once",
+    plan.decide(Decision(What.WEIGHT_ONCE, "fp8_save_quantized_weight",
                          "the weight's two FP8 copies quantized in the forward, from one read; "
                          f"dgrad's copy saved ({nbytes:,} B)", module, w.name))
 
