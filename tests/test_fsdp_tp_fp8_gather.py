@@ -123,7 +123,8 @@ def test_fsdp2_tp_fp8_weight_gathers_halve_the_lowered_weights_bytes(ranks):
     fp8_names = set(ranks[0][True]["wrapped"][0])
     linears = sum(torch.Size(shapes[n]).numel() for n in fp8_names) * DP
     norms = sum(torch.Size(s).numel() for n, s in shapes.items() if n not in fp8_names) * DP
-    assert linears == (2 * 256 * 256 + 3 * 512 * 256 + 2 * 128 * 256) // TP  # q o, gate up down, k v
+    # q and o, gate up and down, k and v: TP-local
+    assert linears == (2 * 256 * 256 + 3 * 512 * 256 + 2 * 128 * 256) // TP
     for rank in ranks:
         for bf16_calls, fp8_calls in zip(rank[False]["calls"], rank[True]["calls"]):
             gathers = {k: [(str(d), b) for op, d, b in calls if op == "all_gather_into_tensor"]

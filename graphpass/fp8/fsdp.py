@@ -29,6 +29,17 @@ warning once. Never a stale scale.
 
 Only tensorwise scaling: a rowwise or blockwise weight's scales depend on rows or blocks that
 FSDP's dim-0 shard may cut, and ``fsdp_fp8_weights`` wraps nothing for them (a warning says so).
+
+Under tensor parallelism (a 2-D dp x tp mesh), call it after ``parallelize_module`` and before
+``fully_shard`` on the dp mesh: it wraps each TP DTensor weight's local tensor (its TP shard),
+which FSDP2 then shards over dp, as torchao's float8 weights sit inside TP's DTensors (before
+``parallelize_module`` gives the same layout: TP shards the wrapper). The compiled TP graph
+quantizes a weight's TP shard with that shard's own amax (none is reduced over tp), so "the
+whole weight" above is the TP shard: its amax is reduced over the dp group only (FSDP2's shard
+mesh), and the FP8 bytes are the bits of quantizing the gathered TP shard, for column- and
+row-parallel weights alike. FSDP2 hands the unsharded parameter back as a DTensor over the
+gathered ``FP8GatheredWeight``. A DTensor on a mesh of more than one dimension, or with a
+Partial or strided placement, keeps its bf16 gather (a warning says so).
 """
 
 from __future__ import annotations
@@ -310,7 +321,8 @@ def _local_amax(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     """After ``optimizer.step()``: the amax of every weight ``fsdp_fp8_weights`` wrapped,
-    reduced (max) over its data-parallel group in one all-reduce per group, kept for the next
+    reduced (max) over its data-parallel group (FSDP2's shard mesh, the dp dimension of a 2-D
+    mesh under tensor parallelism) in one all-reduce per group, kept for the next
     all-gathers. Returns how many weights. A weight that changes after this call reduces its
     own amax again before its all-gather (with a warning), so a late or forgotten call costs
     all-reduces, never a stale scale. Call it after ``fully_shard`` too, so that the first
@@ -364,12 +376,15 @@ class Wrapped:
 
 
 def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
-    """Before ``fully_shard``: wrap the weight of each ``nn.Linear`` that graphpass will lower
-    under ``config`` so that FSDP2 all-gathers it in FP8 (module docstring). Left in the
-    parameter dtype, each with its reason (returned, and warned): linears ``fp8_exclude``
-    names (the output head by default), weights that are not 2-D floating-point tensors, every
-    weight when the recipe is not tensorwise, when ``fp8_weight_all_gather`` is off, or when
-    this torch's FSDP2 has no all-gather extension."""
+    """Before ``fully_shard`` (and, under tensor parallelism, after ``parallelize_module``):
+    wrap the weight of each ``nn.Linear`` that graphpass will lower under ``config`` so that
+    FSDP2 all-gathers it in FP8 (module docstring); a TP DTensor weight's local tensor is
+    wrapped. A model ``fully_shard`` was applied to is a ValueError. Left in the parameter
+    dtype, each with its reason (returned, and warned): linears ``fp8_exclude`` names (the
+    output head by default), weights that are not 2-D floating-point tensors, DTensor layouts
+    other than Shard or Replicate on a 1-D mesh, every weight when the recipe is not
+    tensorwise, when ``fp8_weight_all_gather`` is off, or when this torch's FSDP2 has no
+    all-gather extension."""
     from ..config import given
 
     config = given(config)
