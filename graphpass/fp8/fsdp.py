@@ -446,8 +446,8 @@ def _tp_layout(w: Tensor) -> tuple[str | None, str | None]:
     if mesh.ndim != 1 or not all(type(p) in (Shard, Replicate) for p in placements):
         return None, (f"a DTensor on a {mesh.ndim}-D mesh with placements {placements}: the "
                       "FP8 all-gather takes a tensor-parallel weight sharded (Shard) or "
-                      "replicated on a 1-D mesh (docs/distributed.md#fsdp2-and-tensor-"
-                      "parallelism)")
+                      "replicated on a 1-D mesh "
+                      "(docs/distributed.md#fsdp2-and-tensor-parallelism)")
     return f"{placements[0]} over a tensor-parallel mesh of {mesh.size()}", None
 
 
