@@ -6,7 +6,8 @@ all started at once and killed at ``TIMEOUT``: a tiny Llama block made tensor- a
 sequence-parallel (torchtitan's plan), ``fully_shard`` on the data-parallel mesh dimension, FP8
 tensorwise, 3 SGD steps, the weights all-gathered in bf16 and in FP8: the same bits, half the
 gathered bytes, and the unsharded block within FP8's reach. In one process (torch's fake process
-group, no communication): the order of the calls and the layouts that are not FP8-gathered.
+group, no communication): the order of the calls and the layouts that are not FP8-gathered;
+the post-all-gather's weight for each FSDP2 shard dim.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def ranks(tmp_path_factory):
 
 # The 4-process run costs minutes on a loaded 2-core machine (5 processes importing torch and
 # compiling), so its tests are one_version; covered on every version by the 2-rank FSDP2 FP8
-# gathers (tests/test_fsdp_fp8_gather.py) and this file's fake-process-group tests.
+# gathers (tests/test_fsdp_fp8_gather.py) and this file's one-process tests.
 
 
 @pytest.mark.one_version  # the 4-process run (the comment above)
@@ -276,3 +277,33 @@ def test_tp_layouts_the_fp8_gather_does_not_take_and_a_wrong_order_are_said(mesh
     with pytest.raises(ValueError, match="sharded with fully_shard already: call it before "
                                          "fully_shard \\(after parallelize_module"):
         graphpass.fsdp_fp8_weights(model, config)
+
+
+def test_the_gathered_weight_comes_back_in_place_for_any_fsdp_shard_dim():
+    """``fsdp_post_all_gather`` on the buffers FSDP2 hands it (every version; the 4-rank run
+    above covers it end to end on one): FSDP2 views the gathered bytes as (-1, *shard.shape[1:]).
+    A dim-0 shard's padding rows are at the end; a dim-1 shard (a shard_placement_fn's) is
+    copied back into place by FSDP2 before the view. Either way the weight is the first numel
+    elements, in FP8 and in the high-precision fallback; a dim-1 shard is not padded."""
+    from graphpass.fp8.fsdp import FP8GatheredWeight, _padded, _State
+
+    w = torch.randn(64, 96).to(torch.bfloat16)
+    data, scale_inv = graphpass.fp8.recipes.quantize(w, "tensorwise", "weight")
+    raw = data.view(torch.uint8)
+    shard = FP8GatherShard(w.chunk(2, dim=1)[0].contiguous(), _State("w", "tensorwise"))
+    shard._state.size = w.shape
+    padded_dim0 = torch.cat([raw, raw.new_zeros(2, 96)])  # 3 ranks of 22 rows: 2 rows of padding
+    for gathered in (raw.reshape(-1, 48), padded_dim0):
+        out, _ = shard.fsdp_post_all_gather((gathered,), (scale_inv, data.dtype, torch.bfloat16),
+                                            torch.bfloat16)
+        assert isinstance(out, FP8GatheredWeight) and tuple(out.shape) == (64, 96)
+        assert torch.equal(out._data.view(torch.uint8), raw) and out._scale_inv is scale_inv
+    high, _ = shard.fsdp_post_all_gather((w.reshape(-1, 48),), None, torch.bfloat16)
+    assert torch.equal(high, w)
+
+    class Mesh:
+        def size(self):
+            return 2
+
+    assert _padded(raw[:, :48], w.shape, Mesh()).shape == (64, 48)  # dim 1: even, as it is
+    assert _padded(raw[:31], w.shape, Mesh()).shape == (32, 96)  # dim 0: to ceil(64 / 2) rows
