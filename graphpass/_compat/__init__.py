@@ -34,8 +34,8 @@ fails loudly in one module instead of silently elsewhere.
 from __future__ import annotations
 
 from .distributed import (dtensor_from_local, dtensor_local, fake_store,
-                          fsdp_all_gather_extension, fsdp_param_dtypes, functional_collective,
-                          is_dtensor)
+                          fsdp_all_gather_extension, fsdp_param_dtypes, fsdp_shard_params,
+                          functional_collective, is_dtensor, is_fsdp_module)
 from .dynamo import (aot_autograd, backend_value_error, compile_id, compiled_frame,
                      fake_tensor_mode, frame_scopes, frame_varargs, fsdp_managed_input,
                      placeholder_source, register_backend, unlimited_recompiles)
@@ -62,10 +62,10 @@ __all__ = [
     "custom_graph_pass_base", "custom_partitioner_base", "dtensor_from_local", "dtensor_local",
     "fake_store", "fake_tensor_mode", "flop_formula", "frame_scopes", "frame_varargs",
     "fsdp_all_gather_extension", "fsdp_managed_input", "fsdp_param_dtypes",
-    "functional_collective", "guard_cpp_bf16_transpose", "guard_cpp_loop_split", "has_storage",
+    "fsdp_shard_params", "functional_collective", "guard_cpp_bf16_transpose", "guard_cpp_loop_split", "has_storage",
     "inductor_config", "inductor_decompositions", "inductor_lowering_tables",
     "inductor_partition_fn", "inductor_pattern_matcher", "inductor_rounds_fused_casts",
-    "is_dtensor", "is_higher_order", "is_non_overlapping_and_dense", "is_op_overload",
+    "is_dtensor", "is_fsdp_module", "is_higher_order", "is_non_overlapping_and_dense", "is_op_overload",
     "is_rng_op", "min_cut_dumps", "min_cut_failure", "min_cut_partition", "min_cut_settings",
     "op_name", "placeholder_source", "register_backend", "register_persistent_outputs",
     "remove_noop_ops", "size_hint", "storage_id", "tensor_metadata", "tree_leaves", "tree_map",

@@ -77,3 +77,30 @@ def fsdp_param_dtypes(model: torch.nn.Module) -> dict[int, Any]:
             if policy is not None:  # else unknown: left out, not guessed
                 out[id(fsdp_param.sharded_param)] = policy.param_dtype
     return out
+
+
+def is_fsdp_module(module: torch.nn.Module) -> bool:
+    """A module ``fully_shard`` was applied to (FSDP2's ``FSDPModule``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def fsdp_shard_params(model: torch.nn.Module) -> dict[int, tuple[Any, int]]:
+    """For each parameter of ``model`` that FSDP2 shards, by ``id`` of its sharded parameter:
+    the mesh FSDP2 all-gathers it over (its shard mesh: the data-parallel mesh, one dimension
+    of a 2-D mesh under tensor parallelism) and the dimension it shards (0 unless a
+    ``shard_placement_fn`` says otherwise). Empty where that is not found."""
+    out: dict[int, tuple[Any, int]] = {}
+    for module in model.modules():
+        if not is_fsdp_module(module):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            mesh = getattr(fsdp_param, "shard_mesh", None)
+            placement = getattr(fsdp_param, "fsdp_placement", None)
+            if mesh is not None:
+                out[id(fsdp_param.sharded_param)] = (mesh, getattr(placement, "dim", 0))
+    return out

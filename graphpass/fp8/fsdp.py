@@ -29,6 +29,17 @@ warning once. Never a stale scale.
 
 Only tensorwise scaling: a rowwise or blockwise weight's scales depend on rows or blocks that
 FSDP's dim-0 shard may cut, and ``fsdp_fp8_weights`` wraps nothing for them (a warning says so).
+
+Under tensor parallelism (a 2-D dp x tp mesh), call it after ``parallelize_module`` and before
+``fully_shard`` on the dp mesh: it wraps each TP DTensor weight's local tensor (its TP shard),
+which FSDP2 then shards over dp, as torchao's float8 weights sit inside TP's DTensors (before
+``parallelize_module`` gives the same layout: TP shards the wrapper). The compiled TP graph
+quantizes a weight's TP shard with that shard's own amax (none is reduced over tp), so "the
+whole weight" above is the TP shard: its amax is reduced over the dp group only (FSDP2's shard
+mesh), and the FP8 bytes are the bits of quantizing the gathered TP shard, for column- and
+row-parallel weights alike. FSDP2 hands the unsharded parameter back as a DTensor over the
+gathered ``FP8GatheredWeight``. A DTensor on a mesh of more than one dimension, or with a
+Partial or strided placement, keeps its bf16 gather (a warning says so).
 """
 
 from __future__ import annotations
@@ -72,7 +83,7 @@ class _State:
     param: Any = None  # a weakref to the sharded parameter (its version counter)
     amax_dtype: torch.dtype | None = None  # the dtype ``amax`` was taken in
     fallback: str | None = None  # why it gathers in high precision (set at its first gather)
-    rows: int = 0  # the whole weight's rows (FSDP2 shards dim 0)
+    size: torch.Size | None = None  # the gathered weight's shape (TP-local under TP)
     param_dtype: torch.dtype | None = None  # the dtype FSDP2 gathers (its MixedPrecisionPolicy)
 
 
@@ -198,7 +209,7 @@ class FP8GatherShard(Tensor):
                             module: torch.nn.Module,
                             mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
         state = self._state
-        state.rows = outer_size[0]
+        state.size = torch.Size(outer_size)
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         state.param_dtype = dtype
         shard = self._tensor.to(dtype)
@@ -218,16 +229,21 @@ class FP8GatherShard(Tensor):
     def fsdp_post_all_gather(self, outputs: tuple[Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Tensor | None = None) -> Any:
         (gathered,) = outputs
-        rows = self._state.rows
+        size = self._state.size
+        # FSDP2 hands the gathered bytes viewed as (-1, *shard.shape[1:]); they are the weight's
+        # elements in order (a dim-0 shard's padding at the end; a shard_placement_fn's other
+        # dim copied back into place by FSDP2), so the weight is their first numel elements
+        whole = gathered.reshape(-1)[:size.numel()].view(size)
         if metadata is None:  # gathered in high precision
-            full = gathered[:rows]
             if out is not None:
                 return None
-            return full, (gathered,)
+            return whole, (gathered,)
         scale_inv, fp8, dtype = metadata
-        data = gathered[:rows].view(fp8)
+        data = whole.view(fp8)
         if out is not None:
-            out._scale_inv = scale_inv
+            # FSDP2's unsharded parameter: under tensor parallelism a DTensor over the weight
+            target = _compat.dtensor_local(out) if _compat.is_dtensor(out) else out
+            target._scale_inv = scale_inv
             return None
         return FP8GatheredWeight(data, scale_inv, dtype), (gathered,)
 
@@ -251,10 +267,11 @@ def _unwrap(t: Any) -> Any:
 
 
 def _padded(t: Tensor, outer_size: torch.Size, mesh: Any) -> Tensor:
-    """``t`` padded with zero rows to FSDP's padded shard size (dim 0, ceil(rows / world))."""
+    """``t`` padded with zero rows to FSDP's padded shard size (dim 0, ceil(rows / world));
+    a shard of another dim (a ``shard_placement_fn``'s: FSDP2 shards those evenly) as it is."""
     world = mesh.size()
     rows = -(-outer_size[0] // world)
-    if t.shape[0] == rows:
+    if t.shape[0] == rows or tuple(t.shape[1:]) != tuple(outer_size[1:]):
         return t
     pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
     return torch.cat([t, pad]) if t.shape[0] else pad
@@ -304,7 +321,8 @@ def _local_amax(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     """After ``optimizer.step()``: the amax of every weight ``fsdp_fp8_weights`` wrapped,
-    reduced (max) over its data-parallel group in one all-reduce per group, kept for the next
+    reduced (max) over its data-parallel group (FSDP2's shard mesh, the dp dimension of a 2-D
+    mesh under tensor parallelism) in one all-reduce per group, kept for the next
     all-gathers. Returns how many weights. A weight that changes after this call reduces its
     own amax again before its all-gather (with a warning), so a late or forgotten call costs
     all-reduces, never a stale scale. Call it after ``fully_shard`` too, so that the first
@@ -313,15 +331,16 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     p_version: dict[int, int] = {}
     dtype_of: dict[int, torch.dtype] = {}
     dtypes = _compat.fsdp_param_dtypes(model)
+    sharded = _compat.fsdp_shard_params(model)
     for p in model.parameters():
-        local = getattr(p, "_local_tensor", p)
+        local = _compat.dtensor_local(p) if _compat.is_dtensor(p) else p
         if not isinstance(local, FP8GatherShard) or local._state.fallback is not None:
             continue
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is None:
+        if id(p) not in sharded:
             raise ValueError("graphpass.precompute_fsdp_fp8_scales: the model's FP8-gathered "
                              "weights are not sharded yet: call it after fully_shard (and "
                              "after each optimizer.step())")
+        mesh = sharded[id(p)][0]  # the data-parallel mesh FSDP2 gathers over (not TP's)
         dtype = local._state.param_dtype
         if dtype is None and id(p) in dtypes:  # not gathered yet: FSDP2's MixedPrecisionPolicy
             dtype = dtypes[id(p)] or local.dtype
@@ -357,12 +376,15 @@ class Wrapped:
 
 
 def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
-    """Before ``fully_shard``: wrap the weight of each ``nn.Linear`` that graphpass will lower
-    under ``config`` so that FSDP2 all-gathers it in FP8 (module docstring). Left in the
-    parameter dtype, each with its reason (returned, and warned): linears ``fp8_exclude``
-    names (the output head by default), weights that are not 2-D floating-point tensors, every
-    weight when the recipe is not tensorwise, when ``fp8_weight_all_gather`` is off, or when
-    this torch's FSDP2 has no all-gather extension."""
+    """Before ``fully_shard`` (and, under tensor parallelism, after ``parallelize_module``):
+    wrap the weight of each ``nn.Linear`` that graphpass will lower under ``config`` so that
+    FSDP2 all-gathers it in FP8 (module docstring); a TP DTensor weight's local tensor is
+    wrapped. A model ``fully_shard`` was applied to is a ValueError. Left in the parameter
+    dtype, each with its reason (returned, and warned): linears ``fp8_exclude`` names (the
+    output head by default), weights that are not 2-D floating-point tensors, DTensor layouts
+    other than Shard or Replicate on a 1-D mesh, every weight when the recipe is not
+    tensorwise, when ``fp8_weight_all_gather`` is off, or when this torch's FSDP2 has no
+    all-gather extension."""
     from ..config import given
 
     config = given(config)
@@ -378,25 +400,28 @@ def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
                  "(docs/distributed.md)")
     elif not _compat.fsdp_all_gather_extension():
         every = f"torch {torch.__version__}'s FSDP2 has no all-gather extension"
+    if any(_compat.is_fsdp_module(m) for m in model.modules()):
+        raise ValueError("graphpass.fsdp_fp8_weights: the model is sharded with fully_shard "
+                         "already: call it before fully_shard (after parallelize_module under "
+                         "tensor parallelism: docs/distributed.md#fsdp2-and-tensor-parallelism)")
     kept: list[tuple[str, str]] = []
     fp8: list[str] = []
     for name, module in linears:
         w = module.weight
-        why = every or _why_not(name, w, config)
-        if _compat.is_dtensor(w):
-            raise ValueError(f"graphpass.fsdp_fp8_weights: {name}.weight is a DTensor already: "
-                             "call it before fully_shard (under tensor parallelism FSDP2's FP8 "
-                             "all-gather is not supported: docs/distributed.md#not-yet-open-items)"
-                             )
+        tp, why_tp = _tp_layout(w) if _compat.is_dtensor(w) else (None, None)
+        local = _compat.dtensor_local(w) if _compat.is_dtensor(w) else w
+        why = every or _why_not(name, w, config) or why_tp
         if why is not None:
             kept.append((f"{name}.weight", why))
             continue
-        if isinstance(w, FP8GatherShard):
+        if isinstance(local, FP8GatherShard):
             fp8.append(f"{name}.weight")
             continue
         state = _State(f"{name}.weight", config.fp8_recipe)
-        module.weight = torch.nn.Parameter(FP8GatherShard(w.detach(), state),
-                                           requires_grad=w.requires_grad)
+        wrapped = FP8GatherShard(local.detach(), state)
+        if tp is not None:  # the DTensor's local tensor, as FSDP2 shards it (the TP shard)
+            wrapped = _compat.dtensor_from_local(wrapped, w)
+        module.weight = torch.nn.Parameter(wrapped, requires_grad=w.requires_grad)
         fp8.append(f"{name}.weight")
     result = Wrapped(tuple(fp8), tuple(kept))
     if every is not None and linears:
@@ -404,6 +429,26 @@ def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
     for name, why in kept if every is None else ():
         _warn_once(f"graphpass fsdp_fp8_weights: {name} is all-gathered in its dtype: {why}")
     return result
+
+
+def _tp_layout(w: Tensor) -> tuple[str | None, str | None]:
+    """A tensor-parallel (DTensor) weight: its layout as a note says it, or why FSDP2 does not
+    all-gather it in FP8. Under tensorwise scaling the compiled graph quantizes each rank's TP
+    shard with that shard's own amax (the TP note: "a weight shard scales by this rank's
+    shard"), and FSDP2 shards and all-gathers that local tensor over the data-parallel mesh, so
+    the amax is reduced over the data-parallel group only: the FP8 bytes are the bits of
+    quantizing the gathered TP shard, whichever dim TP cuts. Left in the parameter dtype: a
+    DTensor on a mesh of more than one dimension, or with a placement other than Shard and
+    Replicate (Partial, strided: the local tensor is not the TP shard FSDP2 gathers)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = w.device_mesh, tuple(w.placements)
+    if mesh.ndim != 1 or not all(type(p) in (Shard, Replicate) for p in placements):
+        return None, (f"a DTensor on a {mesh.ndim}-D mesh with placements {placements}: the "
+                      "FP8 all-gather takes a tensor-parallel weight sharded (Shard) or "
+                      "replicated on a 1-D mesh "
+                      "(docs/distributed.md#fsdp2-and-tensor-parallelism)")
+    return f"{placements[0]} over a tensor-parallel mesh of {mesh.size()}", None
 
 
 def _why_not(name: str, w: Tensor, config: Any) -> str | None:
