@@ -127,6 +127,7 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
 # --- FSDP2 ----------------------------------------------------------------------------------
 
 
+@pytest.mark.every_param  # one gloo run gives every set's results
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_per_block_is_bit_identical_to_one_process_per_rank_rows(fsdp, mode):
     """Tiny Llama LM (2 blocks, bf16), ``fully_shard`` on each block and the root, each block
@@ -153,6 +154,7 @@ WHOLE_BATCH_BOUNDS = {  # mode: (loss vs whole batch, grads vs whole batch, grad
 }
 
 
+@pytest.mark.every_param  # one gloo run gives every set's results
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_matches_one_process_on_the_whole_batch_within_bounds(fsdp, mode):
     ranks, ref = fsdp
@@ -170,6 +172,7 @@ def test_fsdp2_matches_one_process_on_the_whole_batch_within_bounds(fsdp, mode):
             _rel(whole_grads[n], fp32_grads[n]) for n in grads)
 
 
+@pytest.mark.every_param  # one gloo run gives every set's results
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_fsdp2_rank_reports_are_the_one_process_report(fsdp, mode):
     """Each rank's report: the unsharded weights (FSDP all-gathers them before the block runs)
@@ -307,6 +310,7 @@ def test_fp8_all_gather_is_bit_identical_to_quantizing_after_a_bf16_all_gather(t
         assert len(saved) == 1, saved  # the same saved bytes (the gathered FP8 copies)
 
 
+@pytest.mark.every_param  # one gloo run gives every set's results
 @pytest.mark.parametrize("plan", ["planner", "mlp"])
 def test_memory_passes_on_a_tp_sharded_block_are_bit_identical(tp, plan):
     """FP8 on the TP-sharded block: the planner with save_original='always' and recompute of

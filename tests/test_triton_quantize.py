@@ -213,6 +213,7 @@ def interpreted(tmp_path_factory) -> dict[str, str | None]:
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.every_param  # one interpreted run gives every case's results
 @pytest.mark.parametrize("case", CASES)
 def test_bit_identical_under_the_interpreter(interpreted, case):
     """Each case's four (or two) outputs equal the torch code's, bit for bit."""
