@@ -33,6 +33,7 @@ from ..config import Config
 from ..decisions import Decision, Plan, What
 from ..fp8.ops import QUANTIZE
 from ..fp8.weight_cache import QUANTIZE_WEIGHT
+from ..graph.collectives import shard_parameter
 from ..graph.linears import gathered_from
 from ..graph.nodes import is_backward, module_path, tensor_bytes
 from ..graph.offload_copies import format_seconds
@@ -117,16 +118,14 @@ def candidates_of(joint: fx.GraphModule, plan: Plan, *, notes: bool = False
     for w, by_usage in weights.items():
         quantizes = list(by_usage.values())
         if w not in plan.parameters:
-            if notes:
+            # SimpleFSDP's gathered weights: passes/fp8_weight_all_gather.py caches their FP8
+            # shards, and notes each weight
+            if notes and shard_parameter(gathered_from(w), plan.parameters) is None:
                 shape = "x".join(map(str, w.meta["val"].shape))
-                why = (f"the {shape} weight is not a parameter (a gathered or computed weight is "
-                       "new every step), so it is quantized every step")
-                if gathered_from(w) in plan.parameters:  # SimpleFSDP: all-gathered in the graph
-                    why = (f"the {shape} weight is all-gathered in the graph (SimpleFSDP), so its "
-                           "shard is quantized and gathered every micro-batch (caching the FP8 "
-                           "shard once per optimizer step is not done)")
-                plan.decide(Decision(What.WEIGHT_NOT_CACHED, BY, why, module_path(quantizes[0]),
-                                     w.name))
+                plan.decide(Decision(What.WEIGHT_NOT_CACHED, BY, (
+                    f"the {shape} weight is not a parameter (a gathered or computed weight is "
+                    "new every step), so it is quantized every step"),
+                    module_path(quantizes[0]), w.name))
             continue
         saved = [q for q in quantizes if user_policy(q) in _SAVED]
         if saved:
