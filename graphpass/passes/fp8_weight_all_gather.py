@@ -156,7 +156,8 @@ def _cache_shards(graph: fx.Graph, plan: Plan, config: Config, founds: list[_Fou
                 op.meta["val"] = target([p.meta["val"] for p in params], dtype, recipe, role,
                                         group)
             set_partition_side(op, Side.FORWARD)
-            tag(op, CheckpointPolicy.MUST_RECOMPUTE)
+            if target is QUANTIZE_WEIGHT_SHARDS:  # a lookup in the backward; the twin's tag
+                tag(op, CheckpointPolicy.MUST_RECOMPUTE)  # is the budget's (_Toggles)
             outputs = []
             for i, ((_, _, _, quantizes), _) in enumerate(items):
                 pair = []
@@ -180,8 +181,10 @@ def _cache_shards(graph: fx.Graph, plan: Plan, config: Config, founds: list[_Fou
                 graph.erase_node(cast)
                 cast = up
             _decided(plan, quantizes, f"one all-reduce (max) of the amaxes of {n} "
-                     f"weight{'s' if n > 1 else ''}, by the weight cache: once per optimizer "
-                     "step")
+                     f"weight{'s' if n > 1 else ''}, " + (
+                         "by the weight cache: once per optimizer step"
+                         if target is QUANTIZE_WEIGHT_SHARDS else
+                         "in one op the memory budget may cache (fp8_weight_cache='auto')"))
             if target is QUANTIZE_WEIGHT_SHARDS:
                 plan.decide(Decision(What.WEIGHT_CACHED, WEIGHT_CACHE_BY, (
                     f"the {_shape(wait)} weight is all-gathered in the graph (SimpleFSDP): its "
