@@ -20,6 +20,13 @@ quantization is elementwise under one scale, so the gathered FP8 bytes and the s
 bit-identical to quantizing the gathered weight (``fp8_weight_all_gather=False``);
 ``tests/test_simple_fsdp_gloo.py`` checks losses, gradients and parameters on two ranks.
 
+Under ``fp8_weight_cache`` (``True``, or ``"auto"`` with a memory budget), the amaxes, the
+all-reduce and the quantizes of the weights whose shard is a parameter (or its dtype cast) are
+one ``graphpass::quantize_weight_shards`` (``fp8/weight_cache.py``) before the first gather:
+computed on the first micro-batch after each optimizer step and looked up on the others (the
+ranks hit and miss together: the op's docstring says why), the all-gathers still run every
+micro-batch on its cached bytes (:func:`_cache_shards`).
+
 Left as a bf16 all-gather quantized after, each with a note: a weight whose gathered value
 something other than a tensorwise quantize reads (an embedding, a linear kept in bf16), a
 gather whose layout ops do not keep every element once (an uneven shard's padding sliced off),

@@ -12,7 +12,9 @@ A memory decision: the cache holds 1 byte per element and copy (for a weight wit
 many bytes as the bf16 weight itself) between steps, which the report lists per weight and the
 step peak counts (live kind ``cached``). Gradients are bit-identical to quantizing every
 micro-batch: the copies are the same op's outputs. A weight quantize whose input is not a
-parameter (an all-gathered or a computed weight) is left as it is, with a note.
+parameter (a computed weight) is left as it is, with a note. SimpleFSDP's weights, all-gathered
+in the graph, are cached as their FP8 shards by ``passes/fp8_weight_all_gather.py``, which
+notes each; under ``"auto"`` the op of a graph's shards is one more candidate here.
 
 ``fp8_weight_cache=True`` caches every such weight here. ``"auto"`` leaves the choice to the
 memory budget (``passes/memory_budget.py``, the last pass), which calls :func:`within_budget`
