@@ -125,9 +125,16 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         with input_sources(gm):
             if self.config.codegen == "inductor":
-                return _compat.compile_fx(gm, example_inputs,
-                                          config_patches=self._inductor_patches(example_inputs))
-            return eager_compile(gm, example_inputs, self.partitioner, runs=True)
+                compiled = _compat.compile_fx(
+                    gm, example_inputs, config_patches=self._inductor_patches(example_inputs))
+            else:
+                compiled = eager_compile(gm, example_inputs, self.partitioner, runs=True)
+        if self.config.fp8_weight_cache and any(map(_compat.is_dtensor, example_inputs)):
+            from .fp8.weight_cache import track_dtensors
+
+            # the cache keys on a DTensor's local tensor, whose version no DTensor op moves
+            return track_dtensors(compiled)
+        return compiled
 
     def _inductor_patches(self, example_inputs: Sequence[Any]) -> dict[str, Any]:
         """Inductor settings for one compile: our partitioner, and the quantize inlining where
@@ -136,9 +143,10 @@ class Backend:
 
         patches: dict[str, Any] = {"custom_partitioner_fn": self.partitioner}
         if self.config.fp8_weight_cache:
-            from .fp8.weight_cache import QUANTIZE_WEIGHT
+            from .fp8.weight_cache import QUANTIZE_WEIGHT, QUANTIZE_WEIGHT_SHARDS
 
             _compat.register_persistent_outputs(QUANTIZE_WEIGHT)
+            _compat.register_persistent_outputs(QUANTIZE_WEIGHT_SHARDS)
         device_types = [x.device.type for x in example_inputs if isinstance(x, torch.Tensor)]
         exact = _compat.inductor_rounds_fused_casts(device_types=device_types)
         recipe = self.config.recipe

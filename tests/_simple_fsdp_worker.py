@@ -5,10 +5,12 @@
 The tiny Llama language model (1 block, hidden 256, vocabulary 256) in float32, wrapped by
 SimpleFSDP's ``data_parallel(mode="fully_shard")`` with torchtitan's mixed-precision policy
 (bf16 parameters for the compute, fp32 gradient reduction), compiled whole with graphpass FP8
-(tensorwise, reference kernels, eager codegen), 3 SGD steps, once with the weights' FP8
-all-gather (``fp8_weight_all_gather=True``) and once without. A dispatch mode records every
-collective the compiled step calls (op, dtype, shape, bytes). Each rank writes
-``OUT_DIR/simple_fsdp-<rank>.pt``; the test compares.
+(tensorwise, reference kernels, eager codegen), 3 SGD steps of 2 micro-batches each (gradient
+accumulation), three times: with the weights' FP8 all-gather (``fp8_weight_all_gather=True``),
+without it (bf16 gathers), and with it under ``fp8_weight_cache=True`` (the FP8 shards and their
+amax all-reduce once per optimizer step). A dispatch mode records every collective the compiled
+micro-batches call (op, dtype, shape, bytes), the weight cache's op and the all-reduce inside
+it. Each rank writes ``OUT_DIR/simple_fsdp-<rank>.pt``; the test compares.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import graphpass  # noqa: E402
+from graphpass.fp8 import weight_cache  # noqa: E402
 
 from graphpass.models import llama
 
 STEPS = 3
+MICRO = 2  # micro-batches per optimizer step
 LR = 0.5
 BATCH = 4  # the global batch; each rank takes BATCH // world rows
 COLLECTIVES = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
@@ -49,6 +53,13 @@ class Recorder(TorchDispatchMode):
         self.calls: list[tuple[str, str, tuple, str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is weight_cache.QUANTIZE_WEIGHT_SHARDS:
+            # recorded, and run with the recorder on: the all-reduce inside it is recorded too
+            shards = args[0]
+            self.calls.append(("quantize_weight_shards", str(shards[0].dtype).removeprefix(
+                "torch."), (len(shards),), "", 0))
+            with self:
+                return weight_cache._quantize_weight_shards(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         name = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and name in COLLECTIVES:
@@ -70,13 +81,14 @@ class LM(nn.Module):
         return F.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
 
 
-def _run(rank: int, world: int, weight_all_gather: bool) -> dict:
+def _run(rank: int, world: int, weight_all_gather: bool, cache: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.experiments.graph_trainer import simple_fsdp
     from torchtitan.experiments.graph_trainer.simple_fsdp import (MixedPrecisionPolicy,
                                                                    data_parallel)
 
     torch._dynamo.reset()
+    graphpass.clear_weight_cache()
     simple_fsdp._wrap_class_cache.clear()  # its classes keep the first wrapping's properties
     model, (tokens,) = llama.build("tiny_lm", layers=1, batch=BATCH, dtype=torch.float32)
     targets = torch.randint(0, 256, tokens.shape, generator=torch.Generator().manual_seed(1))
@@ -84,31 +96,41 @@ def _run(rank: int, world: int, weight_all_gather: bool) -> dict:
     model = data_parallel(model, mesh, mode="fully_shard", mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     backend = graphpass.backend(codegen="eager", fp8="tensorwise", kernels="reference",
-                                fp8_weight_all_gather=weight_all_gather)
+                                fp8_weight_all_gather=weight_all_gather, fp8_weight_cache=cache)
     step = torch.compile(LM(model), backend=backend)
-    local = [t.chunk(world)[rank] for t in (tokens, targets)]
-    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
-    losses, grads, calls = [], [], []
+    # this rank's rows, one per micro-batch
+    micro = list(zip(*(t.chunk(world)[rank].chunk(MICRO) for t in (tokens, targets))))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)  # as torchtitan's optimizers
+    losses, grads, calls, stats = [], [], [], []
     for i in range(STEPS):
         opt.zero_grad()
-        recorder = Recorder()
-        # the first step compiles, unrecorded; the others run the compiled code, recorded
-        with recorder if i else contextlib.nullcontext():
-            loss = step(*local)
-            loss.backward()
-        calls.append(recorder.calls)
-        losses.append(loss.detach())
+        before = graphpass.weight_cache_stats()
+        calls.append([])
+        for m, batch in enumerate(micro):
+            recorder = Recorder()
+            # the first micro-batch compiles, unrecorded; the others run the compiled code
+            with recorder if i or m else contextlib.nullcontext():
+                loss = step(*batch)
+                (loss / MICRO).backward()
+            calls[-1].append(recorder.calls)
+            losses.append(loss.detach())
+        after = graphpass.weight_cache_stats()
+        stats.append((after.quantized - before.quantized, after.reused - before.reused))
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     (report,) = backend.partitioner.reports
     return dict(losses=losses, grads=grads, params=params, calls=calls, shapes=shapes,
-                notes=list(report.notes))
+                notes=list(report.notes), stats=stats, peak=report.meta.get("step_peak"))
+
+
+RUNS = {"fp8": (True, False), "bf16": (False, False), "cached": (True, True)}
+"""(fp8_weight_all_gather, fp8_weight_cache) of each run."""
 
 
 def simple_fsdp(rank: int, world: int, out: str) -> None:
-    results = {on: _run(rank, world, on) for on in (True, False)}
+    results = {name: _run(rank, world, *options) for name, options in RUNS.items()}
     torch.save(results, os.path.join(out, f"simple_fsdp-{rank}.pt"))
 
 

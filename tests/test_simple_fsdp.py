@@ -6,12 +6,17 @@ tests/test_simple_fsdp_gloo.py."""
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import graphpass
 from graphpass.distributed import fake_process_group
+from graphpass.fp8.weight_cache import QUANTIZE_WEIGHT_SHARDS
 from graphpass.report import format_bytes
 
 simple_fsdp = pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
@@ -172,17 +177,104 @@ def test_uneven_shards_stay_bf16_with_a_note():
     assert "collectives in the forward: all_gather_into_tensor x2 (514.50 KiB out)" in report.notes
 
 
-def test_weight_cache_says_a_gathered_weight_is_quantized_every_micro_batch():
-    """fp8_weight_cache=True: SimpleFSDP's weights are not parameters of the graph (their shards
-    are): each is quantized and gathered every micro-batch, with a note; the FP8 gather stays."""
-    with pytest.warns(graphpass.EmptySelectionWarning):
+def _graphs(monkeypatch) -> list:
+    """The forward and backward graphs graphpass partitions (appended as it returns them)."""
+    backend = importlib.import_module("graphpass.backend")
+    graphs, run = [], backend.run
+
+    def keep(*args, **kwargs):
+        out = run(*args, **kwargs)
+        graphs.extend(out[:2])
+        return out
+
+    monkeypatch.setattr(backend, "run", keep)
+    return graphs
+
+
+def _ops(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_weight_cache_holds_the_fp8_shards(monkeypatch):
+    """fp8_weight_cache=True: the two weights' amaxes, their all-reduce and the shards' quantizes
+    are one graphpass::quantize_weight_shards of both shards (cached once per optimizer step, on
+    every rank alike), tagged must-recompute: the backward looks dgrad's scale up again. The
+    all-gathers still run in the graph, on its FP8 bytes. A note per weight with the bytes held
+    (each shard's FP8 data and scale), which the step peak counts as ``cached``; the collectives
+    note names the all-reduce inside the op."""
+    graphs = _graphs(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphpass.EmptySelectionWarning)  # the shards count
         report = _plan_mlp(fp8="tensorwise", fp8_weight_cache=True)
+    fw, bw = graphs
+    (op,) = [n for n in fw.graph.nodes if n.target is QUANTIZE_WEIGHT_SHARDS]
+    shards = [p for p in fw.graph.find_nodes(op="placeholder")
+              if tuple(p.meta["val"].shape) in ((256, 256), (128, 512))]
+    assert op.args == (shards, None, "tensorwise", "weight", op.args[4])
+    assert op.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE
+    for gm in (fw, bw):  # no per-micro-batch amax, all-reduce or quantize of a shard
+        assert not {"graphpass.amax.default", "graphpass.quantize_amax.default",
+                    "_c10d_functional.all_reduce.default"} & set(_ops(gm))
+    assert _ops(fw).count("_c10d_functional.all_gather_into_tensor.default") == 2
+    for gather in fw.graph.find_nodes(op="call_function",
+                                      target=torch.ops._c10d_functional.all_gather_into_tensor.default):
+        view = gather.args[0]  # the shard's FP8 bytes, as uint8, in the shard's shape
+        assert gather.meta["val"].dtype == torch.uint8
+        assert view.args[0].args[0].args[0] is op  # view(view.dtype(getitem(op, 2i)))
+    assert _ops(bw).count("graphpass.quantize_weight_shards.default") == 1  # a lookup
+    held = 256 * 256 + 4  # each shard: 64 Ki FP8 bytes and a fp32 scale
+    assert [n for n in report.notes if n.startswith("fp8_weight_cache")] == [
+        f"fp8_weight_cache: {m}: the {s} weight is all-gathered in the graph (SimpleFSDP): its "
+        f"{shard} shard's FP8 copy quantized once per optimizer step with the gathered weight's "
+        f"amax (one all-reduce of the graph's weights' amaxes) and held between steps "
+        f"({held:,} B), all-gathered every micro-batch"
+        for m, s, shard in (("up", "512x256", "256x256"), ("down", "256x512", "128x512"))]
+    assert [n for n in report.notes if n.startswith("fp8 all-gather: ")] == [
+        f"fp8 all-gather: {m}: weight, forward: quantized shard by shard with the gathered "
+        "weight's amax (one all-reduce (max) of the amaxes of 2 weights, by the weight cache: "
+        "once per optimizer step), the all-gather moves FP8 bytes; dgrad's columnwise copy is "
+        "the gathered copy transposed" for m in ("up", "down")]
+    assert ("collectives in the forward: all_gather_into_tensor x2 (256.00 KiB out), all_reduce "
+            "x1 (8 B out) in fp8_weight_cache's quantize_weight_shards, on the first micro-batch "
+            "of each optimizer step") in report.notes
+    assert "collectives in the backward: reduce_scatter_tensor x2 (256.00 KiB out)" in report.notes
+    assert sorted(_weight_notes(report)) == [
+        "weight all-gather: down.weight: forward, (256, 512), float8_e4m3fn (as uint8), "
+        "128.00 KiB per step",
+        "weight all-gather: up.weight: forward, (512, 256), float8_e4m3fn (as uint8), "
+        "128.00 KiB per step"]
+    assert report.meta["step_peak"]["by_kind"]["cached"] == 2 * held
+
+
+def test_weight_cache_auto_caches_the_shards_within_the_budget():
+    """``fp8_weight_cache="auto"`` with a memory budget: the shards' op (uncached until then) is
+    one candidate of the budget's search, cached where its bytes fit, with the budget's notes;
+    the step peak holds the shards as under ``True``."""
+    report = _plan_mlp(fp8="tensorwise", fp8_weight_cache="auto", memory_budget=10**9)
+    held = 2 * (256 * 256 + 4)
+    assert [n for n in report.notes if n.startswith("fp8_weight_cache: <root>")] == [
+        "fp8_weight_cache: <root>: the 2 SimpleFSDP weight shards' FP8 copies and the all-reduce "
+        f"of their amaxes once per optimizer step, held between steps ({held:,} B), "
+        "all-gathered every micro-batch; chosen within memory_budget, saving about 0.1 us of "
+        "quantize per micro-batch by the roofline"]
+    assert sum("in one op the memory budget may cache (fp8_weight_cache='auto')" in n
+               for n in report.notes) == 2
+    assert any(n.endswith("all_reduce x1 (8 B out) in fp8_weight_cache's quantize_weight_shards, "
+                          "on the first micro-batch of each optimizer step") for n in report.notes)
+    assert report.meta["step_peak"]["by_kind"]["cached"] == held
+
+
+def test_weight_cache_notes_a_bf16_gathered_weight():
+    """A weight gathered in bf16 (``fp8_weight_all_gather=False`` here; per-row scales, uneven
+    shards) is quantized after its gather every micro-batch: not cached, with a note."""
+    with pytest.warns(graphpass.EmptySelectionWarning):  # nothing cached
+        report = _plan_mlp(fp8="tensorwise", fp8_weight_cache=True, fp8_weight_all_gather=False)
     assert [n for n in report.notes if n.startswith("fp8_weight_cache")] == [
         f"fp8_weight_cache: not cached: {m}: the {s} weight is all-gathered in the graph "
-        "(SimpleFSDP), so its shard is quantized and gathered every micro-batch (caching the FP8 "
-        "shard once per optimizer step is not done)" for m, s in (("up", "512x256"),
-                                                                  ("down", "256x512"))]
-    assert sum(n.startswith("fp8 all-gather: ") for n in report.notes) == 2
+        "(SimpleFSDP) in bfloat16, quantized after the all-gather every micro-batch (the weight "
+        "cache keeps FP8-gathered shards only)" for m, s in (("up", "512x256"),
+                                                            ("down", "256x512"))]
+    assert "cached" not in report.meta["step_peak"]["by_kind"]
 
 
 def test_simple_fsdp_with_tensor_parallelism_on_a_2d_mesh():

@@ -438,3 +438,43 @@ def test_auto_peak_is_measured_and_gradients_are_bit_identical():
     for cache, (predicted, measured) in peaks.items():
         assert measured == predicted, (cache, predicted, measured)
     assert peaks["auto"][0] - peaks[False][0] == _HELD["2"] + _HELD["4"]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_a_dtensors_writes_reach_its_local_tensors_version():
+    """The cache keys on a DTensor parameter's local tensor (what a compiled graph reads), whose
+    version no DTensor op moves: a graph the backend compiled with DTensor inputs bumps it where
+    the DTensor's own version moved (an in-place op, ``load_state_dict``), and the optimizer step
+    hook bumps it for a ``foreach`` step, which moves neither. Each write misses the cache once;
+    calls between writes hit it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from graphpass.distributed import fake_process_group
+
+    weight_cache.clear()
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,))
+        p = nn.Parameter(DTensor.from_local(torch.randn(64, 32), mesh, [Shard(0)],
+                                            run_check=False))
+        local = p._local_tensor
+        # what a compiled graph does with it: the cache's op on the local tensor
+        step = weight_cache.track_dtensors(
+            lambda w: weight_cache.quantize_weight(w._local_tensor, "tensorwise", "weight", "both"))
+        opt = torch.optim.SGD([p], lr=0.1, foreach=True)
+        bits = []
+        for write in (None, None, "mul_", None, "foreach step", "load_state_dict", None):
+            if write == "mul_":
+                with torch.no_grad():
+                    p.mul_(0.5)
+            elif write == "foreach step":
+                p.grad = DTensor.from_local(torch.ones(64, 32), mesh, [Shard(0)],
+                                            run_check=False)
+                opt.step()
+            elif write == "load_state_dict":
+                nn.ParameterDict({"p": p}).load_state_dict({"p": p.detach() * 2})
+            bits.append(step(p)[0].view(torch.uint8).clone())
+            assert torch.equal(bits[-1], ops.quantize(local, "tensorwise", "weight",
+                                                      "both")[0].view(torch.uint8)), write
+    assert weight_cache.stats().quantized == 4 and weight_cache.stats().reused == 3
+    weight_cache.clear()

@@ -9,6 +9,7 @@ per-rank shapes; graphpass partitions them like any other graph, so its report i
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -24,19 +25,34 @@ from .ops import CASTS, COLLECTIVE_GATHERS, VIEWS
 def gathered_parameter(gather: fx.Node, parameters: set[fx.Node]) -> fx.Node | None:
     """The parameter an ``all_gather_into_tensor`` gathers (its shard, through dtype casts: a
     SimpleFSDP weight, cast to the mixed-precision policy's dtype before or after), else None."""
-    x = gather.args[0]
+    return shard_parameter(gather.args[0], parameters)
+
+
+def shard_parameter(x: Any, parameters: set[fx.Node]) -> fx.Node | None:
+    """The parameter ``x`` is, through dtype casts, else None."""
     while isinstance(x, fx.Node) and x.op == "call_function" and op_name(x) in CASTS:
         x = x.args[0]
     return x if isinstance(x, fx.Node) and x in parameters else None
 
 
 def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
-    """One note per graph with collectives: which, how many, and the bytes each rank receives."""
+    """One note per graph with collectives: which, how many, and the bytes each rank receives.
+    The all-reduce of SimpleFSDP's shards op (``SHARDS_OPS``) counts as the graph's; the cached
+    op's apart, once per optimizer step (a backward's lookup of it reduces nothing)."""
     notes = []
     for name, gm in (("forward", fw), ("backward", bw)):
         counts: Counter[str] = Counter()
         received: Counter[str] = Counter()
+        once: list[int] = []  # the cached shards ops' all-reduces: the bytes of each
         for node in gm.graph.nodes:
+            if node.op == "call_function" and op_name(node) in SHARDS_OPS:
+                amaxes = 4 * len(node.args[0])  # one fp32 amax per shard
+                if op_name(node) == "graphpass.quantize_shards":
+                    counts["all_reduce"] += 1
+                    received["all_reduce"] += amaxes
+                elif name == "forward":
+                    once.append(amaxes)
+                continue
             target = node.target
             if node.op != "call_function" or not _compat.is_op_overload(target):
                 continue
@@ -47,11 +63,19 @@ def collective_notes(fw: fx.GraphModule, bw: fx.GraphModule) -> list[Decision]:
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 received[op] += val.numel() * val.element_size()
-        if counts:
-            parts = ", ".join(f"{op} x{n} ({format_bytes(received[op])} out)"
-                              for op, n in sorted(counts.items()))
+        if counts or once:
+            parts = ", ".join([f"{op} x{n} ({format_bytes(received[op])} out)"
+                               for op, n in sorted(counts.items())] + ([
+                f"all_reduce x{len(once)} ({format_bytes(sum(once))} out) in fp8_weight_cache's "
+                "quantize_weight_shards, on the first micro-batch of each optimizer step"]
+                if once else []))
             notes.append(Decision(What.COLLECTIVES, "distributed", f"{name}: {parts}"))
     return notes
+
+
+SHARDS_OPS = frozenset({"graphpass.quantize_shards", "graphpass.quantize_weight_shards"})
+"""SimpleFSDP's FP8 shards of a graph's weights, with their amax all-reduce inside
+(``fp8/weight_cache.py``)."""
 
 
 def weight_gathers(gm: fx.GraphModule, parameter_names: set[str]
@@ -68,6 +92,11 @@ def weight_gathers(gm: fx.GraphModule, parameter_names: set[str]
             name = op_name(x)
             if name == "graphpass.quantize_amax":
                 fp8 = x.meta["val"][0].dtype
+            elif name == "getitem" and op_name(x.args[0]) in SHARDS_OPS:
+                # the weight cache's shards (fp8/weight_cache.py): [data_0, scale_inv_0, ...]
+                fp8 = x.meta["val"].dtype
+                x = x.args[0].args[0][x.args[1] // 2]
+                continue
             elif name not in VIEWS | CASTS | {"getitem", "aten.clone"}:
                 break
             x = x.args[0]

@@ -140,15 +140,18 @@ def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
 
 def _hold_cached(fw: fx.GraphModule, bw: fx.GraphModule, storages: dict[int, Storage],
                  alias: dict[int, int], allocate: Any, sids: Any, live: set[int]) -> None:
-    """The weight cache's copies (``graphpass::quantize_weight``, ``fp8_weight_cache``) are held
-    between steps: live from the step's start to its end, kind ``cached``, each weight's copies
-    counted once where the forward and the backward both look them up."""
+    """The weight cache's copies (``graphpass::quantize_weight``, ``fp8_weight_cache``; and
+    SimpleFSDP's FP8 shards, ``graphpass::quantize_weight_shards``) are held between steps: live
+    from the step's start to its end, kind ``cached``, each weight's copies counted once where
+    the forward and the backward both look them up."""
     first: dict[tuple, fx.Node] = {}
     for gm in (fw, bw):
         for node in gm.graph.nodes:
-            if op_name(node) != "graphpass.quantize_weight":
+            if op_name(node) not in ("graphpass.quantize_weight",
+                                     "graphpass.quantize_weight_shards"):
                 continue
-            key = (node.args[0].name, *node.args[1:])
+            key = tuple(tuple(a.name for a in arg) if isinstance(arg, (list, tuple))
+                        else arg.name if isinstance(arg, fx.Node) else arg for arg in node.args)
             if key not in first:
                 first[key] = node
                 allocate(node, "cached")

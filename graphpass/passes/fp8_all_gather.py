@@ -163,10 +163,13 @@ def _every_element_once(path: list[fx.Node], quantizes: list[fx.Node], numel: in
 
 
 def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path: list[fx.Node],
-                           quantizes: list[fx.Node], amax: fx.Node | None = None) -> None:
+                           quantizes: list[fx.Node], amax: fx.Node | None = None,
+                           shard: tuple[fx.Node, fx.Node] | None = None) -> None:
     """Rewrite ``gather`` (matched by :func:`match_gather`): quantize its input with the group's
     amax, all-gather the FP8 bytes. ``amax``: the group's amax of the input, reduced already
-    (one all-reduce for several gathers); None reduces this input's own amax here."""
+    (one all-reduce for several gathers); None reduces this input's own amax here. ``shard``:
+    the input's FP8 rows and their scale_inv, quantized already (SimpleFSDP's weight cache,
+    ``fp8/weight_cache.py``): neither amax nor quantize here."""
     x, group_size, group_name = gather.args[:3]
     _, recipe, role, _ = quantizes[0].args
     fp8 = recipes.fp8_dtype(recipe, role)
@@ -196,7 +199,9 @@ def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path
 
     quantized = Quantized(role, False, x, recipe)
     with graph.inserting_before(gather):
-        if amax is None:
+        if shard is not None:
+            data, scale_inv = shard
+        elif amax is None:
             local_amax = new(AMAX, (x,), gather)
             reduced = new(_compat.functional_collective("all_reduce"),
                           (local_amax, "max", group_name), gather,
@@ -205,13 +210,14 @@ def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path
                           val=reduced.meta["val"])
         else:
             reduced = amax
-        rows = new(torch.ops.aten.reshape.default, (x, [-1, local.shape[-1]]), gather)
-        # the quantize and its outputs belong to the linear, as the quantizes they replace
-        q = new(QUANTIZE_AMAX, (rows, reduced, recipe, role), gather, module=quantizes[0])
-        data = new(operator.getitem, (q, 0), gather, module=quantizes[0])
-        scale_inv = new(operator.getitem, (q, 1), gather, module=quantizes[0])
-        for node in (q, data):
-            record(node, quantized=quantized)
+        if shard is None:
+            rows = new(torch.ops.aten.reshape.default, (x, [-1, local.shape[-1]]), gather)
+            # the quantize and its outputs belong to the linear, as the quantizes they replace
+            q = new(QUANTIZE_AMAX, (rows, reduced, recipe, role), gather, module=quantizes[0])
+            data = new(operator.getitem, (q, 0), gather, module=quantizes[0])
+            scale_inv = new(operator.getitem, (q, 1), gather, module=quantizes[0])
+            record(q, quantized=quantized)
+        record(data, quantized=quantized)
         record(scale_inv, quantized=quantized, fp8_scale=True)
         as_bytes = new(torch.ops.aten.view.dtype, (data, torch.uint8), gather)
         as_bytes = new(torch.ops.aten.view.default, (as_bytes, list(local.shape)), gather)

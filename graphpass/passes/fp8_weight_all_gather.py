@@ -20,6 +20,13 @@ quantization is elementwise under one scale, so the gathered FP8 bytes and the s
 bit-identical to quantizing the gathered weight (``fp8_weight_all_gather=False``);
 ``tests/test_simple_fsdp_gloo.py`` checks losses, gradients and parameters on two ranks.
 
+Under ``fp8_weight_cache`` (``True``, or ``"auto"`` with a memory budget), the amaxes, the
+all-reduce and the quantizes of the weights whose shard is a parameter (or its dtype cast) are
+one ``graphpass::quantize_weight_shards`` (``fp8/weight_cache.py``) before the first gather:
+computed on the first micro-batch after each optimizer step and looked up on the others (the
+ranks hit and miss together: the op's docstring says why), the all-gathers still run every
+micro-batch on its cached bytes (:func:`_cache_shards`).
+
 Left as a bf16 all-gather quantized after, each with a note: a weight whose gathered value
 something other than a tensorwise quantize reads (an embedding, a linear kept in bf16), a
 gather whose layout ops do not keep every element once (an uneven shard's padding sliced off),
@@ -31,21 +38,27 @@ sum of FP8 values is not the sum the bf16 reduce-scatter computes.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, What
 from ..fp8.ops import AMAX, QUANTIZE
+from ..fp8.weight_cache import QUANTIZE_SHARDS, QUANTIZE_WEIGHT_SHARDS
 from ..graph.collectives import gathered_parameter
 from ..graph.joint import Side, partition_side, set_partition_side
-from ..graph.nodes import module_path, op_name
+from ..graph.nodes import module_path, op_name, tensor_bytes
 from ..graph.ops import CASTS, COLLECTIVE_GATHERS, COLLECTIVE_WAITS, GATHER_LAYOUT
 from .fp8_all_gather import match_gather, quantize_before_gather
 from .partitioner import TrialPartitioner
+from .tags import tag
+
+WEIGHT_CACHE_BY = "fp8_weight_cache"
 
 _PLUMBING = COLLECTIVE_GATHERS | COLLECTIVE_WAITS | GATHER_LAYOUT | {"getitem", "aten.slice"}
 _Found = tuple[fx.Node, fx.Node, list[fx.Node], list[fx.Node]]  # gather, wait, path, quantizes
@@ -58,24 +71,37 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
     graph = joint.graph
     gathers = [n for n in graph.nodes if op_name(n) in COLLECTIVE_GATHERS
                and gathered_parameter(n, plan.parameters) is not None]
+    cache = config.fp8_weight_cache is True or (config.fp8_weight_cache == "auto"
+                                                 and config.memory_budget is not None)
+    bf16 = (f"in {{}}, quantized after the all-gather every micro-batch (the weight cache "
+            "keeps FP8-gathered shards only)")
     todo: list[_Found] = []
     for gather in gathers:
         padded = _padded(gather)
         if padded:
             plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", padded, _module(gather)),
                         once=True)
+            if cache:
+                _not_cached(plan, gather, gather, _module(gather),
+                            bf16.format(_dtype(gather)))
             continue
         found = match_gather(gather)
         if isinstance(found, str):
             if found:  # "": no quantize reads it (a norm's weight): not a lowered weight
                 plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", _why_not(gather, found),
                                      _module(gather)), once=True)
+                if cache and any(u.target is QUANTIZE for u in _readers(gather)):
+                    _not_cached(plan, gather, gather, _module(gather),
+                                bf16.format(_dtype(gather)))
             continue
         wait, path, quantizes = found
         if not config.fp8_weight_all_gather:
             plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", (
                 f"weight: off (fp8_weight_all_gather=False): the all-gather moves "
                 f"{_dtype(gather)}, quantized after it"), module_path(quantizes[0])), once=True)
+            if cache:
+                _not_cached(plan, gather, wait, module_path(quantizes[0]),
+                            bf16.format(_dtype(gather)))
             continue
         todo.append((gather, wait, path, quantizes))
     if not todo:
@@ -84,6 +110,10 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
     for found in todo:
         by_group.setdefault(found[0].args[2], []).append(found)
     for group, founds in by_group.items():
+        if cache:
+            founds = _cache_shards(graph, plan, config, founds, group)
+            if not founds:
+                continue
         batched, alone = _hoist(graph, founds)
         amaxes = _reduce_amaxes(graph, [f[0] for f in batched], group) if batched else []
         for (gather, wait, path, quantizes), amax in zip(batched, amaxes):
@@ -94,8 +124,112 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
             quantize_before_gather(graph, gather, wait, path, quantizes)
             _decided(plan, quantizes, "its own all-reduce (max) of the amax: its shard is "
                      "computed after the first weight's all-gather")
+        if cache:
+            for gather, wait, _, quantizes in batched + alone:
+                _not_cached(plan, gather, wait, module_path(quantizes[0]), (
+                    "from a shard computed in the step, not a parameter's: quantized every "
+                    "micro-batch"))
     graph.lint()
     joint.recompile()
+
+
+def _cache_shards(graph: fx.Graph, plan: Plan, config: Config, founds: list[_Found],
+                  group: Any) -> list[_Found]:
+    """``fp8_weight_cache``: the weights of ``founds`` whose shard is a parameter (or its dtype
+    cast) get their amaxes, all-reduce and quantize from one ``graphpass::quantize_weight_shards``
+    (``fp8/weight_cache.py``) before the first of their gathers, one per cast dtype: computed on
+    the first micro-batch after each optimizer step, looked up on the others; their all-gathers
+    still run every micro-batch, on the cached FP8 bytes. Tagged must-recompute: a backward that
+    gathers again looks the shards up, and nothing of the op is saved. Under ``"auto"`` the op
+    is ``graphpass::quantize_shards`` (the same, uncached) until the memory budget chooses
+    (``passes/fp8_weight_cache.py``, ``within_budget``). The other weights, returned."""
+    by_dtype: dict[Any, list[tuple[_Found, fx.Node]]] = {}
+    rest: list[_Found] = []
+    for found in founds:
+        shard = _parameter_shard(found[0].args[0], plan.parameters)
+        if shard is None:
+            rest.append(found)
+        else:
+            by_dtype.setdefault(shard[1], []).append((found, shard[0]))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    target = QUANTIZE_WEIGHT_SHARDS if config.fp8_weight_cache is True else QUANTIZE_SHARDS
+    for dtype, items in by_dtype.items():
+        first = min((f[0] for f, _ in items), key=order.__getitem__)
+        params = [p for _, p in items]
+        _, recipe, role, _ = items[0][0][3][0].args
+        with graph.inserting_before(first):
+            op = graph.call_function(target, (params, dtype, recipe, role, group))
+            with _fake_mode(params[0].meta["val"]):
+                op.meta["val"] = target([p.meta["val"] for p in params], dtype, recipe, role,
+                                        group)
+            set_partition_side(op, Side.FORWARD)
+            if target is QUANTIZE_WEIGHT_SHARDS:  # a lookup in the backward; the twin's tag
+                tag(op, CheckpointPolicy.MUST_RECOMPUTE)  # is the budget's (_Toggles)
+            outputs = []
+            for i, ((_, _, _, quantizes), _) in enumerate(items):
+                pair = []
+                for j in (2 * i, 2 * i + 1):
+                    item = graph.call_function(operator.getitem, (op, j))
+                    item.meta["val"] = op.meta["val"][j]
+                    for key in ("nn_module_stack", "fwd_nn_module_stack"):
+                        if key in quantizes[0].meta:
+                            item.meta[key] = quantizes[0].meta[key]
+                    set_partition_side(item, Side.FORWARD)
+                    pair.append(item)
+                outputs.append(tuple(pair))
+        n = len(items)
+        if target is QUANTIZE_WEIGHT_SHARDS:
+            plan.count(WEIGHT_CACHE_BY, "weights", n)
+        for ((gather, wait, path, quantizes), param), shard in zip(items, outputs):
+            cast = gather.args[0]
+            quantize_before_gather(graph, gather, wait, path, quantizes, shard=shard)
+            while cast is not param and not cast.users:  # now inside the op
+                up = cast.args[0]
+                graph.erase_node(cast)
+                cast = up
+            _decided(plan, quantizes, f"one all-reduce (max) of the amaxes of {n} "
+                     f"weight{'s' if n > 1 else ''}, " + (
+                         "by the weight cache: once per optimizer step"
+                         if target is QUANTIZE_WEIGHT_SHARDS else
+                         "in one op the memory budget may cache (fp8_weight_cache='auto')"))
+            if target is QUANTIZE_WEIGHT_SHARDS:
+                plan.decide(Decision(What.WEIGHT_CACHED, WEIGHT_CACHE_BY, (
+                    f"the {_shape(wait)} weight is all-gathered in the graph (SimpleFSDP): its "
+                    f"{_shape(param)} shard's FP8 copy quantized once per optimizer step with "
+                    "the gathered weight's amax (one all-reduce of the graph's weights' amaxes) "
+                    f"and held between steps ({shard_bytes(shard):,} B), all-gathered every "
+                    "micro-batch"), module_path(quantizes[0]), param.name))
+    return rest
+
+
+def shard_bytes(shard: tuple[fx.Node, fx.Node]) -> int:
+    """What the cache holds for one shard: its FP8 data and its scale."""
+    return sum(tensor_bytes(n.meta["val"], where=f"{WEIGHT_CACHE_BY}'s size of {n.name}")
+               for n in shard)
+
+
+def _parameter_shard(x: fx.Node, parameters: set[fx.Node]) -> tuple[fx.Node, Any] | None:
+    """The parameter ``x`` is, or is one dtype cast of (the mixed-precision policy's), and the
+    cast's dtype (None: no cast); None for anything else (the cache keys on the parameter)."""
+    if x in parameters:
+        return x, None
+    if (op_name(x) in ("prims.convert_element_type", "aten._to_copy")
+            and isinstance(x.args[0], fx.Node) and x.args[0] in parameters
+            and len(x.all_input_nodes) == 1 and set(x.kwargs) <= {"dtype"}):
+        return x.args[0], x.meta["val"].dtype
+    return None
+
+
+def _not_cached(plan: Plan, gather: fx.Node, wait: fx.Node, module: str, why: str) -> None:
+    """``fp8_weight_cache``'s note for a SimpleFSDP weight it does not cache."""
+    shard = gathered_parameter(gather, plan.parameters)
+    plan.decide(Decision(What.WEIGHT_NOT_CACHED, WEIGHT_CACHE_BY, (
+        f"the {_shape(wait)} weight is all-gathered in the graph (SimpleFSDP) {why}"), module,
+        shard.name if shard is not None else gather.args[0].name), once=True)
+
+
+def _shape(node: fx.Node) -> str:
+    return "x".join(map(str, node.meta["val"].shape))
 
 
 def _decided(plan: Plan, quantizes: list[fx.Node], reduced: str) -> None:
@@ -121,6 +255,21 @@ def _module(gather: fx.Node) -> str:
                 seen.add(user)
                 todo.append(user)
     return ""
+
+
+def _readers(gather: fx.Node) -> list[fx.Node]:
+    """The nodes that read the gathered weight past the collective and the layout ops."""
+    todo, seen, out = [gather], {gather}, []
+    while todo:
+        node = todo.pop(0)
+        if node is not gather and op_name(node) not in _PLUMBING:
+            out.append(node)
+            continue
+        for user in node.users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return out
 
 
 def _padded(gather: fx.Node) -> str:

@@ -12,7 +12,9 @@ A memory decision: the cache holds 1 byte per element and copy (for a weight wit
 many bytes as the bf16 weight itself) between steps, which the report lists per weight and the
 step peak counts (live kind ``cached``). Gradients are bit-identical to quantizing every
 micro-batch: the copies are the same op's outputs. A weight quantize whose input is not a
-parameter (an all-gathered or a computed weight) is left as it is, with a note.
+parameter (a computed weight) is left as it is, with a note. SimpleFSDP's weights, all-gathered
+in the graph, are cached as their FP8 shards by ``passes/fp8_weight_all_gather.py``, which
+notes each; under ``"auto"`` the op of a graph's shards is one more candidate here.
 
 ``fp8_weight_cache=True`` caches every such weight here. ``"auto"`` leaves the choice to the
 memory budget (``passes/memory_budget.py``, the last pass), which calls :func:`within_budget`
@@ -32,7 +34,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..config import Config
 from ..decisions import Decision, Plan, What
 from ..fp8.ops import QUANTIZE
-from ..fp8.weight_cache import QUANTIZE_WEIGHT
+from ..fp8.weight_cache import (QUANTIZE_SHARDS, QUANTIZE_WEIGHT, QUANTIZE_WEIGHT_SHARDS)
+from ..graph.collectives import shard_parameter
 from ..graph.linears import gathered_from
 from ..graph.nodes import is_backward, module_path, tensor_bytes
 from ..graph.offload_copies import format_seconds
@@ -71,6 +74,13 @@ class Candidate:
     @property
     def shape(self) -> str:
         return "x".join(map(str, self.weight.meta["val"].shape))
+
+    @property
+    def what(self) -> str:
+        """The weight, in the notes."""
+        if self.weight.target in (QUANTIZE_SHARDS, QUANTIZE_WEIGHT_SHARDS):
+            return f"the {len(self.weight.args[0])} SimpleFSDP weight shards'"
+        return f"the {self.shape} weight's"
 
     @property
     def seconds(self) -> float:
@@ -117,16 +127,14 @@ def candidates_of(joint: fx.GraphModule, plan: Plan, *, notes: bool = False
     for w, by_usage in weights.items():
         quantizes = list(by_usage.values())
         if w not in plan.parameters:
-            if notes:
+            # SimpleFSDP's gathered weights: passes/fp8_weight_all_gather.py caches their FP8
+            # shards, and notes each weight
+            if notes and shard_parameter(gathered_from(w), plan.parameters) is None:
                 shape = "x".join(map(str, w.meta["val"].shape))
-                why = (f"the {shape} weight is not a parameter (a gathered or computed weight is "
-                       "new every step), so it is quantized every step")
-                if gathered_from(w) in plan.parameters:  # SimpleFSDP: all-gathered in the graph
-                    why = (f"the {shape} weight is all-gathered in the graph (SimpleFSDP), so its "
-                           "shard is quantized and gathered every micro-batch (caching the FP8 "
-                           "shard once per optimizer step is not done)")
-                plan.decide(Decision(What.WEIGHT_NOT_CACHED, BY, why, module_path(quantizes[0]),
-                                     w.name))
+                plan.decide(Decision(What.WEIGHT_NOT_CACHED, BY, (
+                    f"the {shape} weight is not a parameter (a gathered or computed weight is "
+                    "new every step), so it is quantized every step"),
+                    module_path(quantizes[0]), w.name))
             continue
         saved = [q for q in quantizes if user_policy(q) in _SAVED]
         if saved:
@@ -134,6 +142,11 @@ def candidates_of(joint: fx.GraphModule, plan: Plan, *, notes: bool = False
             continue
         held = sum(_bytes(v, w) for q in quantizes for v in q.meta["val"])
         out.append(Candidate(w, quantizes, held, held + len(quantizes) * _bytes(w.meta["val"], w)))
+    # SimpleFSDP's shards under "auto" (passes/fp8_weight_all_gather.py): one candidate per op
+    for node in joint.graph.find_nodes(op="call_function", target=QUANTIZE_SHARDS):
+        held = sum(_bytes(v, node) for v in node.meta["val"])
+        out.append(Candidate(node, [node], held,
+                             held + sum(_bytes(p.meta["val"], p) for p in node.args[0])))
     return out, overruled
 
 
@@ -145,13 +158,21 @@ def cache(graph: fx.Graph, c: Candidate) -> fx.Node:
         node = merge_usages(graph, by_usage["rowwise"], by_usage["columnwise"])
     else:
         node = c.quantizes[0]
-    node.target = QUANTIZE_WEIGHT
+    node.target = _CACHED[node.target]
     tag(node, CheckpointPolicy.MUST_RECOMPUTE)  # under the user's recompute policy: theirs
     c.quantizes = [node]
     return node
 
 
+_CACHED = {QUANTIZE: QUANTIZE_WEIGHT, QUANTIZE_SHARDS: QUANTIZE_WEIGHT_SHARDS}
+"""Each quantize op the cache takes, and its cached op."""
+_UNCACHED = {v: k for k, v in _CACHED.items()}
+
+
 def _cached_text(c: Candidate, node: fx.Node) -> str:
+    if node.target is QUANTIZE_WEIGHT_SHARDS:
+        return (f"{c.what} FP8 copies and the all-reduce of their amaxes once per optimizer "
+                f"step, held between steps ({c.bytes:,} B), all-gathered every micro-batch")
     copies = "both FP8 copies" if node.args[3] == "both" else "its FP8 copy"
     return (f"the {c.shape} weight's {copies} quantized once per optimizer step and held between "
             f"steps ({c.bytes:,} B)")
@@ -169,10 +190,10 @@ class _Toggles:
             for q in c.quantizes:
                 if on:
                     self.tags.setdefault(q, q.meta.get("recompute"))
-                    q.target = QUANTIZE_WEIGHT
+                    q.target = _CACHED.get(q.target, q.target)
                     tag(q, CheckpointPolicy.MUST_RECOMPUTE)
                 else:
-                    q.target = QUANTIZE
+                    q.target = _UNCACHED.get(q.target, q.target)
                     if self.tags.get(q) is None:
                         q.meta.pop("recompute", None)
                     else:
@@ -250,11 +271,11 @@ def within_budget(joint: fx.GraphModule, plan: Plan, partitioner: TrialPartition
                 c.module, c.weight.name))
         elif any(c is u for u in untried):
             plan.decide(Decision(What.WEIGHT_NOT_CACHED, BY, (
-                f"the {c.shape} weight's copies ({c.bytes:,} B) not tried: the search's limit of "
+                f"{c.what} copies ({c.bytes:,} B) not tried: the search's limit of "
                 f"{MAX_TRIES} partitions"), c.module, c.weight.name))
         else:
             plan.decide(Decision(What.WEIGHT_NOT_CACHED, BY, (
-                f"the {c.shape} weight's copies ({c.bytes:,} B) would take the predicted peak "
+                f"{c.what} copies ({c.bytes:,} B) would take the predicted peak "
                 f"over memory_budget ({format_bytes(budget)}{of_what})"), c.module, c.weight.name))
     held = sum(c.bytes for c in kept)
     plan.decide(Decision(What.WEIGHT_CACHE, BY, (
