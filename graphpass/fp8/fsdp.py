@@ -27,8 +27,32 @@ does; a weight whose shard changed since (its version counter moved: the call wa
 reduces its own amax in its pre-all-gather, correct but one all-reduce per weight, with a
 warning once. Never a stale scale.
 
-Only tensorwise scaling: a rowwise or blockwise weight's scales depend on rows or blocks that
-FSDP's dim-0 shard may cut, and ``fsdp_fp8_weights`` wraps nothing for them (a warning says so).
+Blockwise (128x128 weight tiles): a tile lies within one shard exactly where every shard
+boundary falls on a multiple of 128 rows. FSDP2 pads each shard to ceil(rows / world) rows and
+wants every all-gather input in that padded size, so the FP8 gather takes even shards
+(``rows % world == 0``) of a multiple of 128 rows each. There no reduction is needed:
+
+    pre:   data, scale_inv = quantize(x, blockwise, "weight")   the shard's own 128x128 tiles
+           the all-gather moves data (uint8) and scale_inv (fp32, 1/16384 of the elements),
+           both along dim 0: the whole weight's data and its (rows/128, ceil(cols/128)) scales
+    post:  FP8GatheredWeight(data, scale_inv)
+
+Each tile's amax, scale and cast read that tile alone, and the shard's tiles are the whole
+weight's tiles of its rows, so the gathered data and scales are the bits quantizing the gathered
+weight gives (``tests/test_fsdp_fp8_gather.py``). dgrad's columnwise copy is the quantize of
+``w.t()`` in 128x128 tiles: the same tiles transposed, the same amaxes, the same elementwise
+cast, so it is the gathered data transposed with the gathered scales transposed, bit for bit; no
+second gather. Any other shard layout (a boundary inside a tile, uneven shards) is all-gathered
+in the parameter dtype and quantized after, with a warning naming the weight, its shard rows
+and the block.
+
+Not FP8-gathered, with a warning: rowwise and mxfp8 (docs/distributed.md says why per recipe).
+The forward's rowwise copy has its scales within a row (rowwise) or a 1x32 block along it
+(mxfp8), inside any dim-0 shard, but dgrad's columnwise copy is the quantize of ``w.t()``,
+scaled along dim 0: per column of the whole weight (rowwise: across the shards, so a reduction
+of per-column amaxes), or per 32 rows (mxfp8: inside 32-row-aligned shards, but not a transpose
+of the rowwise copy). Either way one FSDP2 all-gather serves both GEMMs, so it would move both
+FP8 copies: 2 bytes per element plus scales, no fewer than the bf16 gather's 2.
 """
 
 from __future__ import annotations
@@ -75,23 +99,30 @@ class _State:
     rows: int = 0  # the whole weight's rows (FSDP2 shards dim 0)
     param_dtype: torch.dtype | None = None  # the dtype FSDP2 gathers (its MixedPrecisionPolicy)
 
+    @property
+    def blocks(self) -> bool:
+        """Block-scaled (blockwise's 128x128 weight tiles): the shard's scales are gathered."""
+        return not recipes.get_recipe(self.recipe).per_tensor
+
 
 # ---------------------------------------------------------------------------------------------
 # The graph's view of a gathered FP8 weight.
 
 @torch.library.custom_op("graphpass::fsdp_fp8_weight", mutates_args=())
-def fsdp_fp8_weight(data: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    """The value of a weight FSDP2 gathered in FP8, as the traced graph names it. The partition
-    replaces every read of it by the gathered data and scale; it is never computed."""
+def fsdp_fp8_weight(data: Tensor, scale_inv: Tensor, dtype: torch.dtype, recipe: str) -> Tensor:
+    """The value of a weight FSDP2 gathered in FP8 under ``recipe`` (a ``Recipe.key``), as the
+    traced graph names it. The partition replaces every read of it by the gathered data and
+    scale; it is never computed."""
     raise RuntimeError(
         "graphpass: a weight all-gathered in FP8 by FSDP2 (graphpass.fsdp_fp8_weights) was read "
-        "outside a graph compiled by graphpass with fp8='tensorwise': only graphpass's FP8 GEMMs "
-        "read the gathered FP8 bytes; compile the module with torch.compile(backend="
-        "graphpass.backend(fp8='tensorwise')), or build the model without fsdp_fp8_weights")
+        f"outside a graph compiled by graphpass with fp8={recipes.get_recipe(recipe).name!r}: "
+        "only graphpass's FP8 GEMMs read the gathered FP8 bytes; compile the module with "
+        "torch.compile(backend=graphpass.backend(...)) and the config fsdp_fp8_weights was "
+        "given, or build the model without fsdp_fp8_weights")
 
 
 @fsdp_fp8_weight.register_fake
-def _(data: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+def _(data: Tensor, scale_inv: Tensor, dtype: torch.dtype, recipe: str) -> Tensor:
     return data.new_empty(data.shape, dtype=dtype)
 
 
@@ -99,37 +130,40 @@ FSDP_FP8_WEIGHT = torch.ops.graphpass.fsdp_fp8_weight.default
 
 
 class FP8GatheredWeight(Tensor):
-    """A weight after FSDP2's FP8 all-gather: the E4M3 data of the whole weight and its scale
-    (``scale_inv``, fp32, shape ()), with the parameter dtype and shape outside. Traceable:
-    AOTAutograd passes ``data`` and ``scale_inv`` as graph inputs."""
+    """A weight after FSDP2's FP8 all-gather: the E4M3 data of the whole weight and its scales
+    (``scale_inv``, fp32: shape () tensorwise, (ceil(rows/128), ceil(cols/128)) blockwise), with
+    the parameter dtype and shape outside, and the recipe key it was quantized under.
+    Traceable: AOTAutograd passes ``data`` and ``scale_inv`` as graph inputs."""
 
     @staticmethod
-    def __new__(cls, data: Tensor, scale_inv: Tensor, dtype: torch.dtype,
+    def __new__(cls, data: Tensor, scale_inv: Tensor, dtype: torch.dtype, recipe: str,
                 requires_grad: bool = False) -> "FP8GatheredWeight":
         return Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
                                              storage_offset=data.storage_offset(), dtype=dtype,
                                              device=data.device, requires_grad=requires_grad)
 
-    def __init__(self, data: Tensor, scale_inv: Tensor, dtype: torch.dtype,
+    def __init__(self, data: Tensor, scale_inv: Tensor, dtype: torch.dtype, recipe: str,
                  requires_grad: bool = False) -> None:
         self._data = data
         self._scale_inv = scale_inv
+        self._recipe = recipe
 
     def __repr__(self) -> str:
         return (f"FP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"data={self._data.dtype})")
+                f"data={self._data.dtype}, recipe={self._recipe!r})")
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_data", "_scale_inv"], self.dtype
+        return ["_data", "_scale_inv"], (self.dtype, self._recipe)
 
     def _stable_hash_for_caching(self) -> str:
         """What AOTAutograd's cache keys this input on (beside its inner tensors' metadata)."""
-        return f"graphpass.FP8GatheredWeight:{self.dtype}:{self._data.dtype}"
+        return f"graphpass.FP8GatheredWeight:{self.dtype}:{self._data.dtype}:{self._recipe}"
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, Tensor], dtype: torch.dtype, outer_size: Any,
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: Any, outer_size: Any,
                              outer_stride: Any) -> "FP8GatheredWeight":
-        return FP8GatheredWeight(inner["_data"], inner["_scale_inv"], dtype)
+        dtype, recipe = meta
+        return FP8GatheredWeight(inner["_data"], inner["_scale_inv"], dtype, recipe)
 
     __torch_function__ = _compat.DISABLED_TORCH_FUNCTION
 
@@ -138,12 +172,13 @@ class FP8GatheredWeight(Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:  # FSDP's own handling of the unsharded parameter: the same bytes
             (w, *rest) = args
-            return FP8GatheredWeight(func(w._data, *rest, **kwargs), w._scale_inv, w.dtype)
+            return FP8GatheredWeight(func(w._data, *rest, **kwargs), w._scale_inv, w.dtype,
+                                     w._recipe)
         # Anything else reads the weight's value: in a graph graphpass partitions, its FP8
         # GEMMs read the data and scale instead (passes/fsdp_fp8_weights.py).
         def value(t: Any) -> Any:
             if isinstance(t, FP8GatheredWeight):
-                return FSDP_FP8_WEIGHT(t._data, t._scale_inv, t.dtype)
+                return FSDP_FP8_WEIGHT(t._data, t._scale_inv, t.dtype, t._recipe)
             return t
         return func(*_compat.tree_map(value, args), **_compat.tree_map(value, kwargs))
 
@@ -205,31 +240,56 @@ class FP8GatherShard(Tensor):
         if state.fallback is None and dtype not in _HIGH_PRECISION:
             state.fallback = (f"MixedPrecisionPolicy(param_dtype={dtype}): graphpass quantizes "
                               "a float32, bfloat16 or float16 weight")
+        if state.fallback is None and state.blocks:
+            state.fallback = block_shards(state.recipe, tuple(outer_size), mesh.size())
         if state.fallback is not None:
             _warn_once(f"graphpass fsdp_fp8_weights: {state.name} is all-gathered in {dtype}, "
                        f"not FP8: {state.fallback}")
             return (_padded(shard, outer_size, mesh),), None
+        fp8 = recipes.fp8_dtype(state.recipe, "weight")
+        if state.blocks:  # the shard's own tiles: no reduction (module docstring)
+            data, scale_inv = ops.QUANTIZE(shard, state.recipe, "weight", "rowwise")
+            return (data.view(torch.uint8), scale_inv), (None, fp8, dtype, state.recipe)
         amax = _amax_now(self, mesh, dtype, module)
         data, scale_inv = ops.QUANTIZE_AMAX(shard, amax, state.recipe, "weight")
         data = data.view(torch.uint8).view(shard.shape)
-        return (_padded(data, outer_size, mesh),), (scale_inv, recipes.fp8_dtype(
-            state.recipe, "weight"), dtype)
+        return (_padded(data, outer_size, mesh),), (scale_inv, fp8, dtype, state.recipe)
 
     def fsdp_post_all_gather(self, outputs: tuple[Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Tensor | None = None) -> Any:
-        (gathered,) = outputs
+        gathered = outputs[0]
         rows = self._state.rows
         if metadata is None:  # gathered in high precision
             full = gathered[:rows]
             if out is not None:
                 return None
             return full, (gathered,)
-        scale_inv, fp8, dtype = metadata
+        scale_inv, fp8, dtype, recipe = metadata
         data = gathered[:rows].view(fp8)
+        if scale_inv is None:  # blockwise: the gathered scales (views of FSDP2's buffers)
+            scale_inv = outputs[1]
         if out is not None:
             out._scale_inv = scale_inv
             return None
-        return FP8GatheredWeight(data, scale_inv, dtype), (gathered,)
+        return FP8GatheredWeight(data, scale_inv, dtype, recipe), tuple(outputs)
+
+
+def block_shards(recipe: str, shape: tuple[int, ...], world: int) -> str | None:
+    """Why a block-scaled weight of ``shape``, sharded along dim 0 over ``world`` ranks, cannot
+    be quantized shard by shard (a scale block would cross a shard boundary, or FSDP2 pads the
+    shards); None where every block lies within one shard."""
+    rows = shape[0]
+    block = recipes.block_shape(recipe, "weight")[0]
+    per = -(-rows // world)
+    if rows % world:
+        return (f"uneven shards ({rows} rows over {world} ranks, each padded to {per} rows): a "
+                f"{recipes.get_recipe(recipe).name} weight's {block}x{block} scale blocks are "
+                "quantized shard by shard on even shards only")
+    if per % block:
+        return (f"its shards are {per} rows ({rows} rows over {world} ranks), not a multiple of "
+                f"the {block}x{block} scale block: a block would cross a shard boundary, so its "
+                "scale needs rows of two shards")
+    return None
 
 
 _PRESERVE = {torch.ops.aten.split, torch.ops.aten.split_with_sizes, torch.ops.aten.chunk,
@@ -315,7 +375,8 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     dtypes = _compat.fsdp_param_dtypes(model)
     for p in model.parameters():
         local = getattr(p, "_local_tensor", p)
-        if not isinstance(local, FP8GatherShard) or local._state.fallback is not None:
+        if (not isinstance(local, FP8GatherShard) or local._state.fallback is not None
+                or local._state.blocks):  # block scales need no amax
             continue
         mesh = getattr(p, "device_mesh", None)
         if mesh is None:
@@ -361,8 +422,10 @@ def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
     under ``config`` so that FSDP2 all-gathers it in FP8 (module docstring). Left in the
     parameter dtype, each with its reason (returned, and warned): linears ``fp8_exclude``
     names (the output head by default), weights that are not 2-D floating-point tensors, every
-    weight when the recipe is not tensorwise, when ``fp8_weight_all_gather`` is off, or when
-    this torch's FSDP2 has no all-gather extension."""
+    weight when the recipe is neither tensorwise nor blockwise, when ``fp8_weight_all_gather``
+    is off, or when this torch's FSDP2 has no all-gather extension. A blockwise weight whose
+    shards are not whole 128-row blocks is wrapped and says so (a warning) at its first
+    all-gather, which moves the parameter dtype."""
     from ..config import given
 
     config = given(config)
@@ -372,10 +435,8 @@ def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
         every = "FP8 is off (fp8=None)"
     elif not config.fp8_weight_all_gather:
         every = "fp8_weight_all_gather=False"
-    elif not config.recipe.per_tensor:
-        every = (f"fp8={config.fp8!r}: its scales are per row or block of the weight, which "
-                 "FSDP2's row shards may cut; the FP8 all-gather is for tensorwise scaling "
-                 "(docs/distributed.md)")
+    elif not (config.recipe.per_tensor or config.recipe.scaling is recipes.Scaling.BLOCKWISE):
+        every = f"fp8={config.fp8!r}: {columnwise_across_shards(config.recipe)}"
     elif not _compat.fsdp_all_gather_extension():
         every = f"torch {torch.__version__}'s FSDP2 has no all-gather extension"
     kept: list[tuple[str, str]] = []
@@ -404,6 +465,20 @@ def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
     for name, why in kept if every is None else ():
         _warn_once(f"graphpass fsdp_fp8_weights: {name} is all-gathered in its dtype: {why}")
     return result
+
+
+def columnwise_across_shards(recipe: recipes.Recipe) -> str:
+    """Why a rowwise or mxfp8 weight is not all-gathered in FP8 (module docstring)."""
+    if recipe.per_row:
+        where = ("one scale per column of the whole weight, along dim 0 across FSDP's row "
+                 "shards")
+    else:
+        where = ("1x32 blocks down each column, 32 rows of dim 0, not the rowwise copy's blocks "
+                 "transposed")
+    return (f"dgrad's columnwise copy of a weight has {where}; one all-gather serves both "
+            "GEMMs, so an FP8 gather would move both FP8 copies, 2 bytes per element and the "
+            "scales, no fewer than the bf16 gather: the FP8 all-gather is for tensorwise and "
+            "blockwise scaling (docs/distributed.md)")
 
 
 def _why_not(name: str, w: Tensor, config: Any) -> str | None:
