@@ -20,11 +20,29 @@ quantization is elementwise under one scale, so the gathered FP8 bytes and the s
 bit-identical to quantizing the gathered weight (``fp8_weight_all_gather=False``);
 ``tests/test_simple_fsdp_gloo.py`` checks losses, gradients and parameters on two ranks.
 
+Blockwise (128x128 weight tiles), where each rank's shard is whole 128-row tiles (even
+shards, the shard rows a multiple of 128) and the quantizes read the gathered weight as it is:
+no reduction, each shard quantized alone, and both its bytes and its tile scales gathered
+(dim 0, two all-gathers):
+
+    data_i, scale_i = graphpass::quantize(shard_i, blockwise, "weight", "rowwise")
+    data_i  = all_gather(data_i as uint8)                    1 byte per element
+    scale_i = all_gather(scale_i)                            4 bytes per 128x128 tile
+    dgrad's columnwise copy: the gathered bytes and scales transposed
+
+A tile's amax, scale and cast read that tile only, and the shard's tiles are the gathered
+weight's tiles of its rows, so the bits are those of quantizing the gathered weight; the tiles
+of ``w.t()`` are ``w``'s transposed, so dgrad's copy is the transpose, bit for bit. A shard that
+is not whole tiles keeps the bf16 gather with a note naming its rows and the block.
+
 Left as a bf16 all-gather quantized after, each with a note: a weight whose gathered value
-something other than a tensorwise quantize reads (an embedding, a linear kept in bf16), a
-gather whose layout ops do not keep every element once (an uneven shard's padding sliced off),
-and per-row or per-block scales (dgrad's columnwise copy scales along dim 0, which FSDP shards:
-its blocks cross the shards). The backward's reduce-scatter of the gradients is not touched: a
+something other than a tensorwise or blockwise weight quantize reads (an embedding, a linear
+kept in bf16), a gather whose layout ops do not keep every element once (an uneven shard's
+padding sliced off), a blockwise shard that cuts a tile, and rowwise and mxfp8 scales: dgrad's
+columnwise copy scales along dim 0 (rowwise: one scale per column of the whole weight, across
+the shards; mxfp8: 32-row blocks, not the rowwise copy transposed), so the joint graph's one
+gather for both GEMMs would move both FP8 copies, no fewer bytes than bf16
+(``fp8/fsdp.py``'s docstring). The backward's reduce-scatter of the gradients is not touched: a
 sum of FP8 values is not the sum the bf16 reduce-scatter computes.
 """
 
@@ -39,6 +57,8 @@ import torch.fx as fx
 from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, What
+from ..fp8 import recipes
+from ..fp8.fsdp import columnwise_across_shards
 from ..fp8.ops import AMAX, QUANTIZE
 from ..graph.collectives import gathered_parameter
 from ..graph.joint import Side, partition_side, set_partition_side
@@ -47,6 +67,8 @@ from ..graph.ops import CASTS, COLLECTIVE_GATHERS, COLLECTIVE_WAITS, GATHER_LAYO
 from .fp8_all_gather import match_gather, quantize_before_gather
 from .partitioner import TrialPartitioner
 
+# layout ops that keep a 2-D tensor's elements where they are (same shape: the same tiles)
+_SAME_ELEMENTS = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.alias"}
 _PLUMBING = COLLECTIVE_GATHERS | COLLECTIVE_WAITS | GATHER_LAYOUT | {"getitem", "aten.slice"}
 _Found = tuple[fx.Node, fx.Node, list[fx.Node], list[fx.Node]]  # gather, wait, path, quantizes
 
@@ -59,13 +81,14 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
     gathers = [n for n in graph.nodes if op_name(n) in COLLECTIVE_GATHERS
                and gathered_parameter(n, plan.parameters) is not None]
     todo: list[_Found] = []
+    rewritten = False
     for gather in gathers:
         padded = _padded(gather)
         if padded:
             plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", padded, _module(gather)),
                         once=True)
             continue
-        found = match_gather(gather)
+        found = match_gather(gather, blocks=True)
         if isinstance(found, str):
             if found:  # "": no quantize reads it (a norm's weight): not a lowered weight
                 plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", _why_not(gather, found),
@@ -77,8 +100,27 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
                 f"weight: off (fp8_weight_all_gather=False): the all-gather moves "
                 f"{_dtype(gather)}, quantized after it"), module_path(quantizes[0])), once=True)
             continue
-        todo.append((gather, wait, path, quantizes))
+        if recipes.get_recipe(quantizes[0].args[1]).per_tensor:
+            todo.append((gather, wait, path, quantizes))
+            continue
+        why = _cut_tiles(gather, wait, path, quantizes)
+        if why:
+            plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", why, module_path(quantizes[0])),
+                        once=True)
+            continue
+        rows = gather.args[0].meta["val"].shape[0]
+        quantize_before_gather(graph, gather, wait, path, quantizes, blocks=True)
+        dgrad = any(q.args[3] in ("columnwise", "both") for q in quantizes)
+        plan.decide(Decision(What.FP8_ALL_GATHER, "fp8", (
+            f"weight, forward: each {rows}-row shard quantized alone in whole 128x128 tiles (no "
+            "reduction), the all-gathers move FP8 bytes and the tile scales" + (
+                "; dgrad's columnwise copy is the gathered copy and scales transposed"
+                if dgrad else "")), module_path(quantizes[0])), once=True)
+        rewritten = True
     if not todo:
+        if rewritten:
+            graph.lint()
+            joint.recompile()
         return
     by_group: dict[Any, list[_Found]] = {}
     for found in todo:
@@ -105,6 +147,38 @@ def _decided(plan: Plan, quantizes: list[fx.Node], reduced: str) -> None:
         "the all-gather moves FP8 bytes" + ("; dgrad's columnwise copy is the gathered copy "
                                             "transposed" if dgrad else "")),
         module_path(quantizes[0])), once=True)
+
+
+def _cut_tiles(gather: fx.Node, wait: fx.Node, path: list[fx.Node],
+               quantizes: list[fx.Node]) -> str:
+    """Why a blockwise weight's gather stays in high precision: a shard that is not whole
+    128-row tiles (a tile would cross a shard boundary), or a quantize that reads the gathered
+    weight other than as it is (the gathered tile scales are the whole weight's only as is);
+    "" where each shard can be quantized alone."""
+    block = recipes.block_shape(quantizes[0].args[1], "weight")[0]
+    rows, world = gather.args[0].meta["val"].shape[0], gather.args[1]
+    moved = f"the all-gather moves {_dtype(gather)}, quantized after it"
+    if quantizes[0].args[2] != "weight" or gather.args[0].meta["val"].dim() != 2:
+        return f"weight: blockwise, quantized as {quantizes[0].args[2]}: {moved}"
+    if rows % block:
+        return (f"weight: blockwise: its shards are {rows} rows ({rows * world} rows over "
+                f"{world} ranks), not a multiple of the {block}x{block} scale block: a block "
+                f"would cross a shard boundary, so its scale needs rows of two shards; {moved}")
+    if not all(_as_gathered(q.args[0], wait) for q in quantizes):
+        return (f"weight: blockwise, quantized through a layout change of the gathered weight "
+                f"(its tiles are not the shards' tiles): {moved}")
+    return ""
+
+
+def _as_gathered(x: fx.Node, wait: fx.Node) -> bool:
+    """Whether ``x`` is the gathered weight ``wait`` as it is: ``wait`` itself or views of it
+    in its shape (every element where it was, so the same tiles)."""
+    shape = wait.meta["val"].shape
+    while x is not wait:
+        if op_name(x) not in _SAME_ELEMENTS or x.meta["val"].shape != shape:
+            return False
+        x = x.args[0]
+    return True
 
 
 def _module(gather: fx.Node) -> str:
@@ -144,9 +218,8 @@ def _why_not(gather: fx.Node, why: str) -> str:
     """The sequence-parallel matcher's reason, in a weight's terms where they differ."""
     if "scales: the FP8 all-gather is for tensorwise scaling only" in why:
         key = why.split(" scales:")[0]
-        return (f"weight: {key} scales: dgrad's columnwise copy scales along dim 0, which FSDP "
-                "shards, so its scale blocks cross the shards; the FP8 all-gather of weights is "
-                f"tensorwise only: the all-gather moves {_dtype(gather)}, quantized after it")
+        return (f"weight: {key} scales: {columnwise_across_shards(recipes.get_recipe(key))}; "
+                f"the all-gather moves {_dtype(gather)}, quantized after it")
     if why.startswith("a quantize reads part of") or why.startswith("the gathered pieces"):
         return (f"weight: {why.split(':')[0]} (an uneven shard's padding): the all-gather moves "
                 f"{_dtype(gather)}, quantized after it")
