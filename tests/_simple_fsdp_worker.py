@@ -6,7 +6,8 @@ The tiny Llama language model (1 block, hidden 256, vocabulary 256) in float32, 
 SimpleFSDP's ``data_parallel(mode="fully_shard")`` with torchtitan's mixed-precision policy
 (bf16 parameters for the compute, fp32 gradient reduction), compiled whole with graphpass FP8
 (tensorwise, reference kernels, eager codegen), 3 SGD steps, once with the weights' FP8
-all-gather (``fp8_weight_all_gather=True``) and once without. A dispatch mode records every
+all-gather (``fp8_weight_all_gather=True``) and once without; then the same under FP8
+blockwise with 8 sequences (128 tokens a rank), keys ``("blockwise", on)``. A dispatch mode records every
 collective the compiled step calls (op, dtype, shape, bytes). Each rank writes
 ``OUT_DIR/simple_fsdp-<rank>.pt``; the test compares.
 """
@@ -70,7 +71,7 @@ class LM(nn.Module):
         return F.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
 
 
-def _run(rank: int, world: int, weight_all_gather: bool) -> dict:
+def _run(rank: int, world: int, weight_all_gather: bool, recipe: str = "tensorwise") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.experiments.graph_trainer import simple_fsdp
     from torchtitan.experiments.graph_trainer.simple_fsdp import (MixedPrecisionPolicy,
@@ -78,12 +79,14 @@ def _run(rank: int, world: int, weight_all_gather: bool) -> dict:
 
     torch._dynamo.reset()
     simple_fsdp._wrap_class_cache.clear()  # its classes keep the first wrapping's properties
-    model, (tokens,) = llama.build("tiny_lm", layers=1, batch=BATCH, dtype=torch.float32)
+    # blockwise GEMMs need multiples of 128 tokens: 8 sequences of 32, 128 a rank
+    batch = BATCH if recipe == "tensorwise" else 8
+    model, (tokens,) = llama.build("tiny_lm", layers=1, batch=batch, dtype=torch.float32)
     targets = torch.randint(0, 256, tokens.shape, generator=torch.Generator().manual_seed(1))
     mesh = init_device_mesh("cpu", (world,))
     model = data_parallel(model, mesh, mode="fully_shard", mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    backend = graphpass.backend(codegen="eager", fp8="tensorwise", kernels="reference",
+    backend = graphpass.backend(codegen="eager", fp8=recipe, kernels="reference",
                                 fp8_weight_all_gather=weight_all_gather)
     step = torch.compile(LM(model), backend=backend)
     local = [t.chunk(world)[rank] for t in (tokens, targets)]
@@ -109,6 +112,8 @@ def _run(rank: int, world: int, weight_all_gather: bool) -> dict:
 
 def simple_fsdp(rank: int, world: int, out: str) -> None:
     results = {on: _run(rank, world, on) for on in (True, False)}
+    # blockwise: the weights whose shards are whole 128-row tiles gather FP8 and tile scales
+    results.update({("blockwise", on): _run(rank, world, on, "blockwise") for on in (True, False)})
     torch.save(results, os.path.join(out, f"simple_fsdp-{rank}.pt"))
 
 
