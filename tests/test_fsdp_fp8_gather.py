@@ -349,35 +349,54 @@ def test_blockwise_shard_layouts_that_cut_a_tile_are_said():
         "128x128 scale blocks are quantized shard by shard on even shards only")
 
 
+class _TwoRanks:
+    """A stand-in for a 2-rank DeviceMesh (what the pre-all-gather asks of it)."""
+
+    def size(self) -> int:
+        return 2
+
+
 def test_the_blockwise_shard_wrapper_gathers_data_and_tile_scales(group):
-    """fsdp_pre_all_gather / fsdp_post_all_gather on one rank, blockwise: two all-gather inputs,
-    the shard's E4M3 bytes and its fp32 tile scales, which after the gather are graphpass's
-    blockwise quantize of the weight, bit for bit; a 96-row weight (not a whole block) gathers
-    bf16 with a warning."""
+    """fsdp_pre_all_gather / fsdp_post_all_gather, blockwise, the all-gather of 2 ranks done
+    by hand (each rank's inputs concatenated along dim 0): two all-gather inputs per rank, its
+    shard's E4M3 bytes and fp32 tile scales, which gathered are graphpass's blockwise quantize
+    of the whole weight, bit for bit. A 96-row weight (48-row shards: not a whole tile) gathers
+    bf16 with a warning, and so does any weight on a 1-rank mesh (FSDP2 keeps a 1-rank group's
+    first all-gather input only)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    w = torch.randn(256, 128)
-    model = nn.Sequential(nn.Linear(128, 256, bias=False), nn.Linear(256, 96, bias=False))
+    w = torch.randn(512, 256)
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 96, bias=False))
     with torch.no_grad():
         model[0].weight.copy_(w)
     result = graphpass.fsdp_fp8_weights(model, graphpass.Config(fp8="blockwise"))
     assert result.fp8 == ("0.weight", "1.weight")
-    mesh = init_device_mesh("cpu", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    inputs, meta = model[0].weight.fsdp_pre_all_gather(mesh, w.shape, w.stride(), model, mp)
-    assert [(t.dtype, tuple(t.shape)) for t in inputs] == [(torch.uint8, (256, 128)),
-                                                          (torch.float32, (2, 1))]
-    gathered, inner = model[0].weight.fsdp_post_all_gather(inputs, meta, torch.bfloat16)
+    shards = model[0].weight.detach().chunk(2)
+    assert all(isinstance(s, FP8GatherShard) for s in shards)
+    per_rank = [s.fsdp_pre_all_gather(_TwoRanks(), w.shape, w.stride(), model, mp)
+                for s in shards]
+    assert [(t.dtype, tuple(t.shape)) for t in per_rank[0][0]] == [(torch.uint8, (256, 256)),
+                                                                  (torch.float32, (2, 2))]
+    outputs = tuple(torch.cat(parts) for parts in zip(*(inputs for inputs, _ in per_rank)))
+    gathered, inner = shards[0].fsdp_post_all_gather(outputs, per_rank[0][1], torch.bfloat16)
     assert isinstance(gathered, FP8GatheredWeight) and len(inner) == 2
     want_data, want_scale = recipes.quantize(w.to(torch.bfloat16), "blockwise", "weight")
     assert torch.equal(gathered._data.view(torch.uint8), want_data.view(torch.uint8))
     assert torch.equal(gathered._scale_inv, want_scale)
     small = model[1].weight
     with pytest.warns(graphpass.FSDPFP8Warning, match=r"1\.weight is all-gathered in "
-                      r"torch\.bfloat16, not FP8: its shards are 96 rows \(96 rows over 1 "
+                      r"torch\.bfloat16, not FP8: its shards are 48 rows \(96 rows over 2 "
                       r"ranks\), not a multiple of the 128x128 scale block"):
-        (full,), meta = small.fsdp_pre_all_gather(mesh, small.shape, small.stride(), model, mp)
+        (full,), meta = small.detach().chunk(2)[0].fsdp_pre_all_gather(
+            _TwoRanks(), small.shape, small.stride(), model, mp)
+    assert meta is None and full.dtype == torch.bfloat16 and full.shape == (48, 512)
+    one = nn.Sequential(nn.Linear(256, 512, bias=False))
+    graphpass.fsdp_fp8_weights(one, graphpass.Config(fp8="blockwise"))
+    with pytest.warns(graphpass.FSDPFP8Warning, match="not FP8: one rank: FSDP2 gathers nothing"):
+        (full,), meta = one[0].weight.fsdp_pre_all_gather(init_device_mesh("cpu", (1,)), w.shape,
+                                                          w.stride(), one, mp)
     assert meta is None and full.dtype == torch.bfloat16
 
 

@@ -44,7 +44,8 @@ weight gives (``tests/test_fsdp_fp8_gather.py``). dgrad's columnwise copy is the
 cast, so it is the gathered data transposed with the gathered scales transposed, bit for bit; no
 second gather. Any other shard layout (a boundary inside a tile, uneven shards) is all-gathered
 in the parameter dtype and quantized after, with a warning naming the weight, its shard rows
-and the block.
+and the block; so is a 1-rank mesh, where FSDP2 gathers nothing and passes the extension its
+first all-gather input only (the scales would be lost; there are no bytes to save).
 
 Not FP8-gathered, with a warning: rowwise and mxfp8 (docs/distributed.md says why per recipe).
 The forward's rowwise copy has its scales within a row (rowwise) or a 1x32 block along it
@@ -281,6 +282,9 @@ def block_shards(recipe: str, shape: tuple[int, ...], world: int) -> str | None:
     rows = shape[0]
     block = recipes.block_shape(recipe, "weight")[0]
     per = -(-rows // world)
+    if world == 1:  # torch's FSDP2 copies a 1-rank group's first all-gather input only
+        return ("one rank: FSDP2 gathers nothing on a 1-rank mesh and keeps only the first "
+                "all-gather input, which would drop the tile scales")
     if rows % world:
         return (f"uneven shards ({rows} rows over {world} ranks, each padded to {per} rows): a "
                 f"{recipes.get_recipe(recipe).name} weight's {block}x{block} scale blocks are "
@@ -368,7 +372,8 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     all-gathers. Returns how many weights. A weight that changes after this call reduces its
     own amax again before its all-gather (with a warning), so a late or forgotten call costs
     all-reduces, never a stale scale. Call it after ``fully_shard`` too, so that the first
-    all-gathers find their amaxes reduced (the amax is taken in FSDP2's ``param_dtype``)."""
+    all-gathers find their amaxes reduced (the amax is taken in FSDP2's ``param_dtype``).
+    Blockwise weights have no amax to reduce (each tile's scale is its shard's): not counted."""
     groups: dict[Any, list[tuple[FP8GatherShard, torch.dtype]]] = {}
     p_version: dict[int, int] = {}
     dtype_of: dict[int, torch.dtype] = {}
