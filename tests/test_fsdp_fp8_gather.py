@@ -216,7 +216,7 @@ def test_fsdp2_blockwise_fp8_gathers_are_in_the_report(ranks):
                 "(graphpass.fsdp_fp8_weights), 64.02 KiB each all-gather") in notes
         assert ("weight all-gather: self_attn.k_proj.weight: FSDP2 (before the graph), "
                 "(128, 256), bfloat16 (parameter dtype), 64.00 KiB each all-gather") in notes
-        assert sum("FSDP2: all-gathered in FP8 (float8_e4m3fn, with the 128x128 block scales"
+        assert sum("FSDP2: all-gathered in FP8 (float8_e4m3fn, with the 128x128 tile scales"
                    in n for n in notes) == 5
 
 

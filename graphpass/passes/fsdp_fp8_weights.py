@@ -62,7 +62,7 @@ def fsdp_fp8_weights(joint: fx.GraphModule, plan: Plan, config: Config,
             _replace(graph, q, data, scale_inv, blocks)
         _erase_dead(graph, value)
         gathered = data.meta["val"]
-        how = ("with the 128x128 block scales of its shards, gathered beside it; dgrad's "
+        how = ("with the 128x128 tile scales of its shards, gathered beside it; dgrad's "
                "columnwise copy is the gathered data and scales transposed" if blocks else
                "with the whole weight's scale")
         plan.decide(Decision(What.FP8_ALL_GATHER, "fp8", (
