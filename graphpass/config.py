@@ -230,11 +230,15 @@ class FP8(_Group):
     weight_all_gather: bool = True
     """With ``fp8="tensorwise"``, FSDP's all-gathers of the weights graphpass lowers move FP8:
     each shard quantized with the whole weight's amax (one all-reduce for all of them), half
-    the bytes of a bf16 all-gather, the same FP8 bits as quantizing the gathered weight. Under
-    FSDP2 (``fully_shard``), for the weights ``graphpass.fsdp_fp8_weights(model, config)`` wraps
-    before ``fully_shard`` (docs/distributed.md#fsdp2-weights-all-gathered-in-fp8); under
-    torchtitan's SimpleFSDP, in the graph. ``False``: the weights are all-gathered in the
-    parameter dtype and quantized after."""
+    the bytes of a bf16 all-gather, the same FP8 bits as quantizing the gathered weight. With
+    ``fp8="blockwise"``, where each shard is whole 128x128 tiles (even shards of a multiple of
+    128 rows): each shard quantized alone, its FP8 bytes and tile scales gathered; other shards,
+    and rowwise and mxfp8 weights, gather bf16 with a note
+    (docs/distributed.md#fp8-weight-all-gathers-per-recipe). Under FSDP2 (``fully_shard``), for
+    the weights ``graphpass.fsdp_fp8_weights(model, config)`` wraps before ``fully_shard``
+    (docs/distributed.md#fsdp2-weights-all-gathered-in-fp8); under torchtitan's SimpleFSDP, in
+    the graph. ``False``: the weights are all-gathered in the parameter dtype and quantized
+    after."""
 
     accumulate: FP8Accumulate = "te"
     """How the FP8 GEMMs accumulate: ``"te"`` (fast accumulation for the forward GEMM, split,

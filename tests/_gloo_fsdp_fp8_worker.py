@@ -7,7 +7,8 @@ under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, ``fully_sha
 block and the root, graphpass FP8 tensorwise, SGD for 3 steps; each rank its half of the batch.
 Four runs: per-block compile and whole-model compile, each with the weights all-gathered in bf16
 (as FSDP2 does) and in FP8 (``graphpass.fsdp_fp8_weights`` before ``fully_shard``,
-``graphpass.precompute_fsdp_fp8_scales`` after it and after each optimizer step). A recorder
+``graphpass.precompute_fsdp_fp8_scales`` after it and after each optimizer step); then FP8
+blockwise per block, with bf16 and FP8 gathers (keys ``("blockwise", fp8)``). A recorder
 around torch.distributed's collectives counts what each step ran. Writes
 ``OUT_DIR/fsdp_fp8-<rank>.pt``.
 """
@@ -26,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import graphpass  # noqa: E402
+from graphpass.models import llama  # noqa: E402
 from _gloo_worker import (BACKENDS, LR, STEPS, WORLD, _fsdp_model, _loss,  # noqa: E402
                           _report_summary)
 
@@ -64,17 +66,27 @@ class Recorder:
         return calls
 
 
-def _run(rank: int, recorder: Recorder, *, fp8_gather: bool, whole: bool) -> dict:
+def _blockwise_model():
+    """The same model with 8 sequences: 128 tokens a rank, a whole 1x128 activation block (the
+    blockwise GEMMs need multiples of 128)."""
+    model, (tokens,) = llama.build("tiny_lm", layers=2, batch=8, dtype=torch.float32)
+    targets = torch.randint(0, 256, tokens.shape, generator=torch.Generator().manual_seed(1))
+    return model, (tokens, targets)
+
+
+def _run(rank: int, recorder: Recorder, *, fp8_gather: bool, whole: bool,
+         recipe: str = "tensorwise") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch._dynamo.reset()
-    model, x = _fsdp_model(torch.float32)
-    config = graphpass.Config(**BACKENDS["fp8"])
+    model, x = _fsdp_model(torch.float32) if recipe == "tensorwise" else _blockwise_model()
+    options = dict(BACKENDS["fp8"], fp8=recipe)
+    config = graphpass.Config(**options)
     wrapped = graphpass.fsdp_fp8_weights(model, config) if fp8_gather else None
     mesh = init_device_mesh("cpu", (WORLD,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    backend = graphpass.backend(**BACKENDS["fp8"])
+    backend = graphpass.backend(**options)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
         if not whole:
@@ -117,6 +129,10 @@ def main(argv: list[str]) -> None:
     try:
         results = {(whole, fp8): _run(rank, recorder, fp8_gather=fp8, whole=whole)
                    for whole in (False, True) for fp8 in (False, True)}
+        # blockwise, per block: the 128-row shards of q, o, gate, up and down gathered in FP8
+        # with their tile scales, k and v (64-row shards) in bf16
+        results.update({("blockwise", fp8): _run(rank, recorder, fp8_gather=fp8, whole=False,
+                                                 recipe="blockwise") for fp8 in (False, True)})
         torch.save(results, os.path.join(out, f"fsdp_fp8-{rank}.pt"))
         dist.barrier()
     finally:

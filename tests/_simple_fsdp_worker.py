@@ -8,9 +8,10 @@ SimpleFSDP's ``data_parallel(mode="fully_shard")`` with torchtitan's mixed-preci
 (tensorwise, reference kernels, eager codegen), 3 SGD steps of 2 micro-batches each (gradient
 accumulation), three times: with the weights' FP8 all-gather (``fp8_weight_all_gather=True``),
 without it (bf16 gathers), and with it under ``fp8_weight_cache=True`` (the FP8 shards and their
-amax all-reduce once per optimizer step). A dispatch mode records every collective the compiled
-micro-batches call (op, dtype, shape, bytes), the weight cache's op and the all-reduce inside
-it. Each rank writes ``OUT_DIR/simple_fsdp-<rank>.pt``; the test compares.
+amax all-reduce once per optimizer step); then with and without the FP8 all-gather under FP8
+blockwise, with 16 sequences (128 tokens a rank and micro-batch). A dispatch mode records every
+collective the compiled micro-batches call (op, dtype, shape, bytes), the weight cache's op and
+the all-reduce inside it. Each rank writes ``OUT_DIR/simple_fsdp-<rank>.pt``; the test compares.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class LM(nn.Module):
         return F.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
 
 
-def _run(rank: int, world: int, weight_all_gather: bool, cache: bool = False) -> dict:
+def _run(rank: int, world: int, weight_all_gather: bool, cache: bool = False,
+         recipe: str = "tensorwise") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.experiments.graph_trainer import simple_fsdp
     from torchtitan.experiments.graph_trainer.simple_fsdp import (MixedPrecisionPolicy,
@@ -90,12 +92,15 @@ def _run(rank: int, world: int, weight_all_gather: bool, cache: bool = False) ->
     torch._dynamo.reset()
     graphpass.clear_weight_cache()
     simple_fsdp._wrap_class_cache.clear()  # its classes keep the first wrapping's properties
-    model, (tokens,) = llama.build("tiny_lm", layers=1, batch=BATCH, dtype=torch.float32)
+    # blockwise GEMMs need multiples of 128 tokens: 16 sequences of 32, 128 a rank and
+    # micro-batch
+    batch = BATCH if recipe == "tensorwise" else 8 * MICRO
+    model, (tokens,) = llama.build("tiny_lm", layers=1, batch=batch, dtype=torch.float32)
     targets = torch.randint(0, 256, tokens.shape, generator=torch.Generator().manual_seed(1))
     mesh = init_device_mesh("cpu", (world,))
     model = data_parallel(model, mesh, mode="fully_shard", mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    backend = graphpass.backend(codegen="eager", fp8="tensorwise", kernels="reference",
+    backend = graphpass.backend(codegen="eager", fp8=recipe, kernels="reference",
                                 fp8_weight_all_gather=weight_all_gather, fp8_weight_cache=cache)
     step = torch.compile(LM(model), backend=backend)
     # this rank's rows, one per micro-batch
@@ -125,8 +130,10 @@ def _run(rank: int, world: int, weight_all_gather: bool, cache: bool = False) ->
                 notes=list(report.notes), stats=stats, peak=report.meta.get("step_peak"))
 
 
-RUNS = {"fp8": (True, False), "bf16": (False, False), "cached": (True, True)}
-"""(fp8_weight_all_gather, fp8_weight_cache) of each run."""
+RUNS = {"fp8": (True, False), "bf16": (False, False), "cached": (True, True),
+        # blockwise: the weights whose shards are whole 128-row tiles gather FP8 and tile scales
+        "blockwise": (True, False, "blockwise"), "blockwise_bf16": (False, False, "blockwise")}
+"""(fp8_weight_all_gather, fp8_weight_cache, recipe) of each run."""
 
 
 def simple_fsdp(rank: int, world: int, out: str) -> None:

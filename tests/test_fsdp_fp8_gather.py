@@ -6,7 +6,9 @@ On 2 gloo ranks (``tests/_gloo_fsdp_fp8_worker.py``, the harness of
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, FP8 tensorwise, 3 SGD steps, per
 block and whole-model compile, with the weights all-gathered in bf16 and in FP8: the same bits,
 and the collectives each step ran, counted by a recorder around torch.distributed's calls. In one
-process (a 1-rank gloo group): the wrapper subclasses, the report's rows, bad input.
+process (a 1-rank gloo group): the wrapper subclasses, the report's rows, bad input. The same
+run also trains FP8 blockwise per block: the weights whose shards are whole 128-row blocks
+gathered in FP8 with their tile scales, the others in bf16.
 """
 
 from __future__ import annotations
@@ -149,6 +151,75 @@ def test_fsdp2_fp8_weight_gathers_are_in_the_report(ranks):
             ("output.weight", "excluded by fp8_exclude pattern 'output'"),)
 
 
+# the tiny Llama's lowered weights whose 2-rank shards are whole 128-row blocks (128 or 256
+# rows): blockwise gathers them in FP8 with their tile scales; k and v (64-row shards) stay bf16
+BLOCK_ALIGNED = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_fsdp2_blockwise_fp8_gathers_are_bit_identical_to_bf16_gathers(ranks):
+    """FP8 blockwise, per block: losses, gradients (every step) and parameters (after 3 steps)
+    with the 128-row-aligned weights all-gathered in FP8 with their 128x128 tile scales are the
+    bits of the bf16 gathers quantized after; k and v, whose 64-row shards would cut a tile,
+    gather bf16 with a warning naming each, its shard rows and the block."""
+    for r, rank in enumerate(ranks):
+        bf16, fp8 = rank["blockwise", False], rank["blockwise", True]
+        assert all(torch.equal(a, b) for a, b in zip(bf16["losses"], fp8["losses"])), r
+        for step, (a, b) in enumerate(zip(bf16["grads"], fp8["grads"])):
+            differ = [n for n in a if not torch.equal(a[n], b[n])]
+            assert not differ, (r, step, differ)
+        differ = [n for n in bf16["params"] if not torch.equal(bf16["params"][n], fp8["params"][n])]
+        assert not differ, (r, differ)
+        assert fp8["losses"][-1] < fp8["losses"][0] - 0.5  # it trains
+        assert sorted(fp8["warnings"]) == sorted(
+            f"graphpass fsdp_fp8_weights: layers.{i}.self_attn.{m}.weight is all-gathered in "
+            "torch.bfloat16, not FP8: its shards are 64 rows (128 rows over 2 ranks), not a "
+            "multiple of the 128x128 scale block: a block would cross a shard boundary, so its "
+            "scale needs rows of two shards" for i in (0, 1) for m in ("k_proj", "v_proj"))
+
+
+def test_fsdp2_blockwise_fp8_gathers_move_data_and_tile_scales(ranks):
+    """Counted from the collectives each step ran: each block's all-gather moves the aligned
+    weights' FP8 bytes (1 per element) and their fp32 tile scales (4 bytes per 128x128 tile),
+    k, v and the norms in bf16 (2 per element), all as uint8; no amax all-reduce (each tile's
+    scale is its shard's own)."""
+    shapes = ranks[0]["blockwise", True]["shapes"]
+    block = {n: torch.Size(s) for n, s in shapes.items() if n.startswith("layers.0.")}
+    aligned = {n for n in block if n.split(".")[-2] in BLOCK_ALIGNED}
+    assert len(aligned) == 5
+    tiles = sum(-(-block[n][0] // 128) * -(-block[n][1] // 128) for n in aligned)
+    fp8_bytes = sum(block[n].numel() for n in aligned) + 4 * tiles
+    bf16_bytes = 2 * sum(block[n].numel() for n in block if n not in aligned)
+    everything = 2 * sum(s.numel() for s in block.values())
+    for rank in ranks:
+        for bf16_calls, fp8_calls in zip(rank["blockwise", False]["calls"],
+                                         rank["blockwise", True]["calls"]):
+            gathers = [sorted((str(d), b) for op, d, b in calls if op == "all_gather_into_tensor")
+                       for calls in (bf16_calls, fp8_calls)]
+            root = [g for g in gathers[0] if g[1] != everything]
+            assert gathers[0] == sorted(root + [("torch.bfloat16", everything)] * 4)
+            assert gathers[1] == sorted(root + [("torch.uint8", fp8_bytes + bf16_bytes)] * 4)
+            assert not [c for c in fp8_calls if c[0] == "all_reduce"]
+    # a block's all-gather: 656,512 bytes instead of 1,180,672 (55.6%); the 5 aligned weights'
+    # 524,416 (524,288 FP8 bytes and 32 tile scales) instead of 1,048,576
+    assert (fp8_bytes + bf16_bytes, everything) == (656512, 1180672)
+
+
+def test_fsdp2_blockwise_fp8_gathers_are_in_the_report(ranks):
+    """Each rank's report: the 5 aligned weights gathered as FP8 data and tile scales, k and v
+    in the parameter dtype (quantized after the gather), every linear lowered."""
+    for rank in ranks:
+        (report,) = [r for r in rank["blockwise", True]["reports"]
+                     if any(n.startswith("lowered:") for n in r["notes"])]
+        notes = report["notes"]
+        assert ("weight all-gather: self_attn.q_proj.weight: FSDP2 (before the graph), "
+                "(256, 256), float8_e4m3fn (as uint8) and (2, 2) float32 tile scales "
+                "(graphpass.fsdp_fp8_weights), 64.02 KiB each all-gather") in notes
+        assert ("weight all-gather: self_attn.k_proj.weight: FSDP2 (before the graph), "
+                "(128, 256), bfloat16 (parameter dtype), 64.00 KiB each all-gather") in notes
+        assert sum("FSDP2: all-gathered in FP8 (float8_e4m3fn, with the 128x128 tile scales"
+                   in n for n in notes) == 5
+
+
 # --- one process ----------------------------------------------------------------------------
 
 
@@ -239,6 +310,96 @@ def test_the_shard_wrapper_gathers_the_bits_of_quantizing_the_weight(group):
         torch.relu(gathered)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("shape", [(512, 256), (512, 200)], ids=["whole_tiles", "partial_cols"])
+def test_blockwise_shards_quantized_alone_are_slices_of_the_whole_quantize(world, shape):
+    """A weight whose dim-0 shards are whole 128-row blocks: each shard quantized alone
+    (blockwise, 128x128 tiles) is the whole weight's quantize sliced, data and tile scales, bit
+    for bit (a partial last column block too, outliers, an inf, a NaN and an all-zero tile
+    included); the columnwise copy (dgrad's) is the rowwise copy transposed, scales too."""
+    from graphpass.fp8.fsdp import block_shards
+
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w[3, 7], w[200, 5], w[300, 1] = 3e4, float("inf"), float("nan")
+    w[384:, :128] = 0
+    assert block_shards("blockwise", shape, world) is None
+    data, scale = recipes.quantize(w, "blockwise", "weight")
+    rows = shape[0] // world
+    for r, shard in enumerate(w.chunk(world)):
+        d, s = recipes.quantize(shard, "blockwise", "weight")
+        assert torch.equal(d.view(torch.uint8), data[r * rows:(r + 1) * rows].view(torch.uint8))
+        assert torch.equal(s, scale[r * rows // 128:(r + 1) * rows // 128])
+    col_data, col_scale = recipes.quantize(w, "blockwise", "weight", columnwise=True)
+    assert torch.equal(col_data.view(torch.uint8), data.t().contiguous().view(torch.uint8))
+    assert torch.equal(col_scale, scale.t().contiguous())
+
+
+def test_blockwise_shard_layouts_that_cut_a_tile_are_said():
+    """Shards that are not whole 128-row blocks, or uneven ones (FSDP2 pads them), gather in
+    the parameter dtype: the reason names the shard rows and the block."""
+    from graphpass.fp8.fsdp import block_shards
+
+    assert block_shards("blockwise", (256, 256), 4) == (
+        "its shards are 64 rows (256 rows over 4 ranks), not a multiple of the 128x128 scale "
+        "block: a block would cross a shard boundary, so its scale needs rows of two shards")
+    assert block_shards("blockwise", (384, 256), 2).startswith(
+        "its shards are 192 rows (384 rows over 2 ranks)")
+    assert block_shards("blockwise", (255, 256), 2) == (
+        "uneven shards (255 rows over 2 ranks, each padded to 128 rows): a blockwise weight's "
+        "128x128 scale blocks are quantized shard by shard on even shards only")
+
+
+class _TwoRanks:
+    """A stand-in for a 2-rank DeviceMesh (what the pre-all-gather asks of it)."""
+
+    def size(self) -> int:
+        return 2
+
+
+def test_the_blockwise_shard_wrapper_gathers_data_and_tile_scales(group):
+    """fsdp_pre_all_gather / fsdp_post_all_gather, blockwise, the all-gather of 2 ranks done
+    by hand (each rank's inputs concatenated along dim 0): two all-gather inputs per rank, its
+    shard's E4M3 bytes and fp32 tile scales, which gathered are graphpass's blockwise quantize
+    of the whole weight, bit for bit. A 96-row weight (48-row shards: not a whole tile) gathers
+    bf16 with a warning, and so does any weight on a 1-rank mesh (FSDP2 keeps a 1-rank group's
+    first all-gather input only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    w = torch.randn(512, 256)
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 96, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+    result = graphpass.fsdp_fp8_weights(model, graphpass.Config(fp8="blockwise"))
+    assert result.fp8 == ("0.weight", "1.weight")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    shards = model[0].weight.detach().chunk(2)
+    assert all(isinstance(s, FP8GatherShard) for s in shards)
+    per_rank = [s.fsdp_pre_all_gather(_TwoRanks(), w.shape, w.stride(), model, mp)
+                for s in shards]
+    assert [(t.dtype, tuple(t.shape)) for t in per_rank[0][0]] == [(torch.uint8, (256, 256)),
+                                                                  (torch.float32, (2, 2))]
+    outputs = tuple(torch.cat(parts) for parts in zip(*(inputs for inputs, _ in per_rank)))
+    gathered, inner = shards[0].fsdp_post_all_gather(outputs, per_rank[0][1], torch.bfloat16)
+    assert isinstance(gathered, FP8GatheredWeight) and len(inner) == 2
+    want_data, want_scale = recipes.quantize(w.to(torch.bfloat16), "blockwise", "weight")
+    assert torch.equal(gathered._data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(gathered._scale_inv, want_scale)
+    small = model[1].weight
+    with pytest.warns(graphpass.FSDPFP8Warning, match=r"1\.weight is all-gathered in "
+                      r"torch\.bfloat16, not FP8: its shards are 48 rows \(96 rows over 2 "
+                      r"ranks\), not a multiple of the 128x128 scale block"):
+        (full,), meta = small.detach().chunk(2)[0].fsdp_pre_all_gather(
+            _TwoRanks(), small.shape, small.stride(), model, mp)
+    assert meta is None and full.dtype == torch.bfloat16 and full.shape == (48, 512)
+    one = nn.Sequential(nn.Linear(256, 512, bias=False))
+    graphpass.fsdp_fp8_weights(one, graphpass.Config(fp8="blockwise"))
+    with pytest.warns(graphpass.FSDPFP8Warning, match="not FP8: one rank: FSDP2 gathers nothing"):
+        (full,), meta = one[0].weight.fsdp_pre_all_gather(init_device_mesh("cpu", (1,)), w.shape,
+                                                          w.stride(), one, mp)
+    assert meta is None and full.dtype == torch.bfloat16
+
+
 def test_one_rank_fp8_gathers_reduce_a_stale_amax_again(group):
     """One rank, fp32 parameters under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
     2 steps, without precompute_fsdp_fp8_scales: after the optimizer step each changed weight
@@ -284,13 +445,16 @@ def test_a_graph_that_reads_an_fp8_gathered_weight_otherwise_is_an_error(group):
 
 
 def test_weights_not_gathered_in_fp8_are_said(group):
-    """Each case gathers in the parameter dtype, with a warning naming the reason: a recipe
-    other than tensorwise (its scales are per row or block), fp8_weight_all_gather=False, a
+    """Each case gathers in the parameter dtype, with a warning naming the reason: rowwise and
+    mxfp8 (dgrad's columnwise copy scales along dim 0), fp8_weight_all_gather=False, a
     model sharded already (an error: wrap before fully_shard), a MixedPrecisionPolicy
     param_dtype graphpass does not quantize (float64: the bits of the plain run)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    for options, why in ((dict(fp8="rowwise"), "fp8='rowwise': its scales are per row"),
+    for options, why in ((dict(fp8="rowwise"), "fp8='rowwise': dgrad's columnwise copy of a "
+                          "weight has one scale per column of the whole weight"),
+                         (dict(fp8="mxfp8"), "fp8='mxfp8': dgrad's columnwise copy of a weight "
+                          "has 1x32 blocks down each column"),
                          (dict(OPTIONS, fp8_weight_all_gather=False),
                           "fp8_weight_all_gather=False")):
         model = _model()

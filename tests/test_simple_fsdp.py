@@ -78,14 +78,14 @@ def _plan_llama(world: int = 2, **options) -> graphpass.Report:
             codegen="eager", kernels="reference", **options))
 
 
-def _plan_mlp(world: int = 2, ffn: int = 512, **options) -> graphpass.Report:
+def _plan_mlp(world: int = 2, ffn: int = 512, tokens: int = 64, **options) -> graphpass.Report:
     from torch.distributed.device_mesh import init_device_mesh
 
     _fresh()
     with fake_process_group(world):
         model = simple_fsdp.data_parallel(MLP(ffn).to(torch.bfloat16),
                                           init_device_mesh("cpu", (world,)), mode="fully_shard")
-        x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16, requires_grad=True)
         return graphpass.plan(model, x, config=graphpass.Config(
             codegen="eager", kernels="reference", **options))
 
@@ -146,18 +146,49 @@ def test_weight_all_gather_off_gathers_bf16_and_saves_the_same_bytes():
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
 def test_weight_all_gather_stays_bf16_where_scale_blocks_cross_the_shards(recipe):
-    """Per-row and per-block scales: dgrad's columnwise copy of a [out, in] weight scales along
-    dim 0, which FSDP shards: the gather stays bf16 and is quantized after, with a note."""
+    """Per-row and 1x32 scales: dgrad's columnwise copy of a [out, in] weight scales along
+    dim 0 (rowwise across the shards; mxfp8 in 32-row blocks that are not the rowwise copy's
+    transposed): one gather of both FP8 copies would move as many bytes as bf16, so the gather
+    stays bf16 and is quantized after, with a note saying so."""
     report = _plan_mlp(fp8=recipe)
+    where = {"rowwise": "one scale per column of the whole weight, along dim 0 across FSDP's row "
+                        "shards",
+             "mxfp8": "1x32 blocks down each column, 32 rows of dim 0, not the rowwise copy's "
+                      "blocks transposed"}[recipe]
     assert [n for n in report.notes if n.startswith("fp8 all-gather")] == [
-        f"fp8 all-gather: not for {m}: weight: {recipe} scales: dgrad's columnwise copy scales "
-        "along dim 0, which FSDP shards, so its scale blocks cross the shards; the FP8 all-gather "
-        "of weights is tensorwise only: the all-gather moves bfloat16, quantized after it"
-        for m in ("up", "down")]
+        f"fp8 all-gather: not for {m}: weight: {recipe} scales: dgrad's columnwise copy of a "
+        f"weight has {where}; one all-gather serves both GEMMs, so an FP8 gather would move both "
+        "FP8 copies, 2 bytes per element and the scales, no fewer than the bf16 gather: the FP8 "
+        "all-gather is for tensorwise and blockwise scaling (docs/distributed.md); the "
+        "all-gather moves bfloat16, quantized after it" for m in ("up", "down")]
     assert sorted(_weight_notes(report)) == [
         "weight all-gather: down.weight: forward, (256, 512), bfloat16, 256.00 KiB per step",
         "weight all-gather: up.weight: forward, (512, 256), bfloat16, 256.00 KiB per step"]
     assert sum(n.startswith("lowered: ") for n in report.notes) == 2
+
+
+def test_blockwise_weights_gather_fp8_and_tile_scales_where_shards_are_whole_tiles():
+    """Blockwise on 4 ranks: up's shards are 128 rows (whole 128x128 tiles): quantized shard by
+    shard, no all-reduce, its FP8 bytes and tile scales gathered (two all-gathers); down's are
+    64 rows (a tile would cross a shard boundary): the bf16 gather, quantized after, with a
+    note naming the shard rows and the block. Both linears lowered."""
+    report = _plan_mlp(world=4, tokens=128, fp8="blockwise")
+    assert [n for n in report.notes if n.startswith("fp8 all-gather")] == [
+        "fp8 all-gather: up: weight, forward: each 128-row shard quantized alone in whole "
+        "128x128 tiles (no reduction), the all-gathers move FP8 bytes and the tile scales; "
+        "dgrad's columnwise copy is the gathered copy and scales transposed",
+        "fp8 all-gather: not for down: weight: blockwise: its shards are 64 rows (256 rows over "
+        "4 ranks), not a multiple of the 128x128 scale block: a block would cross a shard "
+        "boundary, so its scale needs rows of two shards; the all-gather moves bfloat16, "
+        "quantized after it"]
+    assert sorted(_weight_notes(report)) == [
+        "weight all-gather: down.weight: forward, (256, 512), bfloat16, 256.00 KiB per step",
+        "weight all-gather: up.weight: forward, (512, 256), float8_e4m3fn (as uint8) and (4, 2) "
+        "float32 tile scales, 128.03 KiB per step"]
+    # 128 KiB + 32 B for up, 256 KiB for down; no all-reduce
+    assert "collectives in the forward: all_gather_into_tensor x3 (384.03 KiB out)" in report.notes
+    assert [n for n in report.notes if n.startswith("lowered: ")] == [
+        "lowered: up (reference/blockwise)", "lowered: down (reference/blockwise)"]
 
 
 def test_uneven_shards_stay_bf16_with_a_note():

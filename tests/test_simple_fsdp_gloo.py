@@ -10,7 +10,9 @@ FP8 tensorwise, 3 SGD steps of 2 micro-batches, with the weights' FP8 all-gather
 dispatch mode that records every collective the compiled micro-batches call, each lowered
 weight's gather moving half the bytes after one amax all-reduce (with the cache: one per
 optimizer step, on its first micro-batch), the other gathers and the gradients' reduce-scatters
-unchanged.
+unchanged. The same under FP8 blockwise (16 sequences: 128 tokens a rank and micro-batch): the
+weights whose shards are whole 128-row tiles gathered as FP8 bytes and tile scales, the others
+in bf16, the same bits.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 pytestmark = [
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                        reason="needs torch.distributed with gloo"),
-    # 2 ranks x 3 compiles, 80-120 s on 2 cores; tests/test_simple_fsdp.py covers the rewrite,
+    # 2 ranks x 5 compiles, 2-3 minutes on 2 cores; tests/test_simple_fsdp.py covers the rewrite,
     # its collectives and notes on every torch version
     pytest.mark.one_version,
 ]
@@ -161,3 +163,50 @@ def _bytes(note: str) -> int:
     """The bytes of a ``weight all-gather`` note (``..., 128.00 KiB per step``)."""
     amount, unit = note.rsplit(", ", 1)[1].removesuffix(" per step").split()
     return round(float(amount) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit])
+
+
+# blockwise: this rank's shard of each lowered weight whose shards are whole 128-row tiles (k
+# and v, 64-row shards, gather bf16), and its (rows/128, cols/128) tile scales
+BLOCK_SHARDS = sorted([(128, 256), (128, 256), (256, 256), (256, 256), (128, 512)])
+
+
+def test_blockwise_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks):
+    """FP8 blockwise: q, o, gate, up and down (shards of 128 or 256 rows) gathered as FP8 bytes
+    and tile scales, k and v (64-row shards) in bf16: losses, gradients and parameters are the
+    bits of gathering every weight in bf16 and quantizing after."""
+    for r, rank in enumerate(ranks):
+        on, off = rank["blockwise"], rank["blockwise_bf16"]
+        for i in range(STEPS * MICRO):
+            assert torch.equal(on["losses"][i], off["losses"][i]), (r, i)
+        for step in range(STEPS):
+            assert not _equal(on["grads"][step], off["grads"][step]), (r, step)
+        assert not _equal(on["params"], off["params"]), r
+    losses = [loss.item() for loss in ranks[0]["blockwise"]["losses"]]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_blockwise_fp8_weight_gathers_move_bytes_and_tile_scales(ranks):
+    """Counted from the collectives the compiled steps called: each aligned weight's bf16
+    gather becomes a uint8 gather of its bytes and a float32 gather of its tile scales; k, v and
+    the other weights gather as before; no all-reduce. The report's notes sum to the bytes."""
+    for rank in ranks:
+        for step, m in ((1, 0), (1, 1), (2, 0), (2, 1)):
+            on, off = rank["blockwise"]["calls"][step][m], rank["blockwise_bf16"]["calls"][step][m]
+            on_gathers = [c for c in on if c[0] == "all_gather_into_tensor"]
+            off_gathers = [c for c in off if c[0] == "all_gather_into_tensor"]
+            assert len(off_gathers) == 12 and len(on_gathers) == 17
+            data = sorted(c[2] for c in on_gathers if c[1] == "uint8")
+            scales = sorted(c[2] for c in on_gathers if c[1] == "float32")
+            assert data == BLOCK_SHARDS
+            assert scales == sorted((r // 128, -(-k // 128)) for r, k in BLOCK_SHARDS)
+            moved = [sum(c[4] for c in gathers) for gathers in (on_gathers, off_gathers)]
+            # the aligned weights: 524,288 FP8 bytes and 128 of tile scales for 1,048,576 in bf16
+            assert moved[1] - moved[0] == 1048576 - 524288 - 128, moved
+            assert not [c for c in on if c[0] == "all_reduce"]
+        notes = rank["blockwise"]["notes"]
+        weights = [n for n in notes if n.startswith("weight all-gather: ")]
+        assert sum("float32 tile scales" in n for n in weights) == 5
+        moved = sum(c[4] for c in rank["blockwise"]["calls"][1][0]
+                    if c[0] == "all_gather_into_tensor")
+        # each note rounds to 0.01 KiB (64.02 KiB: 65,552 bytes)
+        assert abs(sum(_bytes(n) for n in weights) - moved) <= 6 * len(weights)

@@ -27,8 +27,33 @@ does; a weight whose shard changed since (its version counter moved: the call wa
 reduces its own amax in its pre-all-gather, correct but one all-reduce per weight, with a
 warning once. Never a stale scale.
 
-Only tensorwise scaling: a rowwise or blockwise weight's scales depend on rows or blocks that
-FSDP's dim-0 shard may cut, and ``fsdp_fp8_weights`` wraps nothing for them (a warning says so).
+Blockwise (128x128 weight tiles): a tile lies within one shard exactly where every shard
+boundary falls on a multiple of 128 rows. FSDP2 pads each shard to ceil(rows / world) rows and
+wants every all-gather input in that padded size, so the FP8 gather takes even shards
+(``rows % world == 0``) of a multiple of 128 rows each. There no reduction is needed:
+
+    pre:   data, scale_inv = quantize(x, blockwise, "weight")   the shard's own 128x128 tiles
+           the all-gather moves data (uint8) and scale_inv (fp32, 1/16384 of the elements),
+           both along dim 0: the whole weight's data and its (rows/128, ceil(cols/128)) scales
+    post:  FP8GatheredWeight(data, scale_inv)
+
+Each tile's amax, scale and cast read that tile alone, and the shard's tiles are the whole
+weight's tiles of its rows, so the gathered data and scales are the bits quantizing the gathered
+weight gives (``tests/test_fsdp_fp8_gather.py``). dgrad's columnwise copy is the quantize of
+``w.t()`` in 128x128 tiles: the same tiles transposed, the same amaxes, the same elementwise
+cast, so it is the gathered data transposed with the gathered scales transposed, bit for bit; no
+second gather. Any other shard layout (a boundary inside a tile, uneven shards) is all-gathered
+in the parameter dtype and quantized after, with a warning naming the weight, its shard rows
+and the block; so is a 1-rank mesh, where FSDP2 gathers nothing and passes the extension its
+first all-gather input only (the scales would be lost; there are no bytes to save).
+
+Not FP8-gathered, with a warning: rowwise and mxfp8 (docs/distributed.md says why per recipe).
+The forward's rowwise copy has its scales within a row (rowwise) or a 1x32 block along it
+(mxfp8), inside any dim-0 shard, but dgrad's columnwise copy is the quantize of ``w.t()``,
+scaled along dim 0: per column of the whole weight (rowwise: across the shards, so a reduction
+of per-column amaxes), or per 32 rows (mxfp8: inside 32-row-aligned shards, but not a transpose
+of the rowwise copy). Either way one FSDP2 all-gather serves both GEMMs, so it would move both
+FP8 copies: 2 bytes per element plus scales, no fewer than the bf16 gather's 2.
 
 Under tensor parallelism (a 2-D dp x tp mesh), call it after ``parallelize_module`` and before
 ``fully_shard`` on the dp mesh: it wraps each TP DTensor weight's local tensor (its TP shard),
@@ -86,23 +111,30 @@ class _State:
     size: torch.Size | None = None  # the gathered weight's shape (TP-local under TP)
     param_dtype: torch.dtype | None = None  # the dtype FSDP2 gathers (its MixedPrecisionPolicy)
 
+    @property
+    def blocks(self) -> bool:
+        """Block-scaled (blockwise's 128x128 weight tiles): the shard's scales are gathered."""
+        return not recipes.get_recipe(self.recipe).per_tensor
+
 
 # ---------------------------------------------------------------------------------------------
 # The graph's view of a gathered FP8 weight.
 
 @torch.library.custom_op("graphpass::fsdp_fp8_weight", mutates_args=())
-def fsdp_fp8_weight(data: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    """The value of a weight FSDP2 gathered in FP8, as the traced graph names it. The partition
-    replaces every read of it by the gathered data and scale; it is never computed."""
+def fsdp_fp8_weight(data: Tensor, scale_inv: Tensor, dtype: torch.dtype, recipe: str) -> Tensor:
+    """The value of a weight FSDP2 gathered in FP8 under ``recipe`` (a ``Recipe.key``), as the
+    traced graph names it. The partition replaces every read of it by the gathered data and
+    scale; it is never computed."""
     raise RuntimeError(
         "graphpass: a weight all-gathered in FP8 by FSDP2 (graphpass.fsdp_fp8_weights) was read "
-        "outside a graph compiled by graphpass with fp8='tensorwise': only graphpass's FP8 GEMMs "
-        "read the gathered FP8 bytes; compile the module with torch.compile(backend="
-        "graphpass.backend(fp8='tensorwise')), or build the model without fsdp_fp8_weights")
+        f"outside a graph compiled by graphpass with fp8={recipes.get_recipe(recipe).name!r}: "
+        "only graphpass's FP8 GEMMs read the gathered FP8 bytes; compile the module with "
+        "torch.compile(backend=graphpass.backend(...)) and the config fsdp_fp8_weights was "
+        "given, or build the model without fsdp_fp8_weights")
 
 
 @fsdp_fp8_weight.register_fake
-def _(data: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+def _(data: Tensor, scale_inv: Tensor, dtype: torch.dtype, recipe: str) -> Tensor:
     return data.new_empty(data.shape, dtype=dtype)
 
 
@@ -110,37 +142,40 @@ FSDP_FP8_WEIGHT = torch.ops.graphpass.fsdp_fp8_weight.default
 
 
 class FP8GatheredWeight(Tensor):
-    """A weight after FSDP2's FP8 all-gather: the E4M3 data of the whole weight and its scale
-    (``scale_inv``, fp32, shape ()), with the parameter dtype and shape outside. Traceable:
-    AOTAutograd passes ``data`` and ``scale_inv`` as graph inputs."""
+    """A weight after FSDP2's FP8 all-gather: the E4M3 data of the whole weight and its scales
+    (``scale_inv``, fp32: shape () tensorwise, (ceil(rows/128), ceil(cols/128)) blockwise), with
+    the parameter dtype and shape outside, and the recipe key it was quantized under.
+    Traceable: AOTAutograd passes ``data`` and ``scale_inv`` as graph inputs."""
 
     @staticmethod
-    def __new__(cls, data: Tensor, scale_inv: Tensor, dtype: torch.dtype,
+    def __new__(cls, data: Tensor, scale_inv: Tensor, dtype: torch.dtype, recipe: str,
                 requires_grad: bool = False) -> "FP8GatheredWeight":
         return Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
                                              storage_offset=data.storage_offset(), dtype=dtype,
                                              device=data.device, requires_grad=requires_grad)
 
-    def __init__(self, data: Tensor, scale_inv: Tensor, dtype: torch.dtype,
+    def __init__(self, data: Tensor, scale_inv: Tensor, dtype: torch.dtype, recipe: str,
                  requires_grad: bool = False) -> None:
         self._data = data
         self._scale_inv = scale_inv
+        self._recipe = recipe
 
     def __repr__(self) -> str:
         return (f"FP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"data={self._data.dtype})")
+                f"data={self._data.dtype}, recipe={self._recipe!r})")
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_data", "_scale_inv"], self.dtype
+        return ["_data", "_scale_inv"], (self.dtype, self._recipe)
 
     def _stable_hash_for_caching(self) -> str:
         """What AOTAutograd's cache keys this input on (beside its inner tensors' metadata)."""
-        return f"graphpass.FP8GatheredWeight:{self.dtype}:{self._data.dtype}"
+        return f"graphpass.FP8GatheredWeight:{self.dtype}:{self._data.dtype}:{self._recipe}"
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, Tensor], dtype: torch.dtype, outer_size: Any,
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: Any, outer_size: Any,
                              outer_stride: Any) -> "FP8GatheredWeight":
-        return FP8GatheredWeight(inner["_data"], inner["_scale_inv"], dtype)
+        dtype, recipe = meta
+        return FP8GatheredWeight(inner["_data"], inner["_scale_inv"], dtype, recipe)
 
     __torch_function__ = _compat.DISABLED_TORCH_FUNCTION
 
@@ -149,12 +184,13 @@ class FP8GatheredWeight(Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:  # FSDP's own handling of the unsharded parameter: the same bytes
             (w, *rest) = args
-            return FP8GatheredWeight(func(w._data, *rest, **kwargs), w._scale_inv, w.dtype)
+            return FP8GatheredWeight(func(w._data, *rest, **kwargs), w._scale_inv, w.dtype,
+                                     w._recipe)
         # Anything else reads the weight's value: in a graph graphpass partitions, its FP8
         # GEMMs read the data and scale instead (passes/fsdp_fp8_weights.py).
         def value(t: Any) -> Any:
             if isinstance(t, FP8GatheredWeight):
-                return FSDP_FP8_WEIGHT(t._data, t._scale_inv, t.dtype)
+                return FSDP_FP8_WEIGHT(t._data, t._scale_inv, t.dtype, t._recipe)
             return t
         return func(*_compat.tree_map(value, args), **_compat.tree_map(value, kwargs))
 
@@ -216,19 +252,29 @@ class FP8GatherShard(Tensor):
         if state.fallback is None and dtype not in _HIGH_PRECISION:
             state.fallback = (f"MixedPrecisionPolicy(param_dtype={dtype}): graphpass quantizes "
                               "a float32, bfloat16 or float16 weight")
+        if state.fallback is None and state.blocks:
+            if tuple(shard.shape[1:]) != tuple(outer_size[1:]):
+                state.fallback = (f"FSDP2 shards it along a dim other than 0 ({tuple(shard.shape)}"
+                                  f" of {tuple(outer_size)}, a shard_placement_fn): the tile "
+                                  "scales are gathered along dim 0")
+            else:
+                state.fallback = block_shards(state.recipe, tuple(outer_size), mesh.size())
         if state.fallback is not None:
             _warn_once(f"graphpass fsdp_fp8_weights: {state.name} is all-gathered in {dtype}, "
                        f"not FP8: {state.fallback}")
             return (_padded(shard, outer_size, mesh),), None
+        fp8 = recipes.fp8_dtype(state.recipe, "weight")
+        if state.blocks:  # the shard's own tiles: no reduction (module docstring)
+            data, scale_inv = ops.QUANTIZE(shard, state.recipe, "weight", "rowwise")
+            return (data.view(torch.uint8), scale_inv), (None, fp8, dtype, state.recipe)
         amax = _amax_now(self, mesh, dtype, module)
         data, scale_inv = ops.QUANTIZE_AMAX(shard, amax, state.recipe, "weight")
         data = data.view(torch.uint8).view(shard.shape)
-        return (_padded(data, outer_size, mesh),), (scale_inv, recipes.fp8_dtype(
-            state.recipe, "weight"), dtype)
+        return (_padded(data, outer_size, mesh),), (scale_inv, fp8, dtype, state.recipe)
 
     def fsdp_post_all_gather(self, outputs: tuple[Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Tensor | None = None) -> Any:
-        (gathered,) = outputs
+        gathered = outputs[0]
         size = self._state.size
         # FSDP2 hands the gathered bytes viewed as (-1, *shard.shape[1:]); they are the weight's
         # elements in order (a dim-0 shard's padding at the end; a shard_placement_fn's other
@@ -238,14 +284,37 @@ class FP8GatherShard(Tensor):
             if out is not None:
                 return None
             return whole, (gathered,)
-        scale_inv, fp8, dtype = metadata
+        scale_inv, fp8, dtype, recipe = metadata
         data = whole.view(fp8)
+        if scale_inv is None:  # blockwise: the gathered scales (views of FSDP2's buffers)
+            scale_inv = outputs[1]
         if out is not None:
             # FSDP2's unsharded parameter: under tensor parallelism a DTensor over the weight
             target = _compat.dtensor_local(out) if _compat.is_dtensor(out) else out
             target._scale_inv = scale_inv
             return None
-        return FP8GatheredWeight(data, scale_inv, dtype), (gathered,)
+        return FP8GatheredWeight(data, scale_inv, dtype, recipe), tuple(outputs)
+
+
+def block_shards(recipe: str, shape: tuple[int, ...], world: int) -> str | None:
+    """Why a block-scaled weight of ``shape``, sharded along dim 0 over ``world`` ranks, cannot
+    be quantized shard by shard (a scale block would cross a shard boundary, or FSDP2 pads the
+    shards); None where every block lies within one shard."""
+    rows = shape[0]
+    block = recipes.block_shape(recipe, "weight")[0]
+    per = -(-rows // world)
+    if world == 1:  # torch's FSDP2 copies a 1-rank group's first all-gather input only
+        return ("one rank: FSDP2 gathers nothing on a 1-rank mesh and keeps only the first "
+                "all-gather input, which would drop the tile scales")
+    if rows % world:
+        return (f"uneven shards ({rows} rows over {world} ranks, each padded to {per} rows): a "
+                f"{recipes.get_recipe(recipe).name} weight's {block}x{block} scale blocks are "
+                "quantized shard by shard on even shards only")
+    if per % block:
+        return (f"its shards are {per} rows ({rows} rows over {world} ranks), not a multiple of "
+                f"the {block}x{block} scale block: a block would cross a shard boundary, so its "
+                "scale needs rows of two shards")
+    return None
 
 
 _PRESERVE = {torch.ops.aten.split, torch.ops.aten.split_with_sizes, torch.ops.aten.chunk,
@@ -326,7 +395,8 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     all-gathers. Returns how many weights. A weight that changes after this call reduces its
     own amax again before its all-gather (with a warning), so a late or forgotten call costs
     all-reduces, never a stale scale. Call it after ``fully_shard`` too, so that the first
-    all-gathers find their amaxes reduced (the amax is taken in FSDP2's ``param_dtype``)."""
+    all-gathers find their amaxes reduced (the amax is taken in FSDP2's ``param_dtype``).
+    Blockwise weights have no amax to reduce (each tile's scale is its shard's): not counted."""
     groups: dict[Any, list[tuple[FP8GatherShard, torch.dtype]]] = {}
     p_version: dict[int, int] = {}
     dtype_of: dict[int, torch.dtype] = {}
@@ -334,7 +404,8 @@ def precompute_fsdp_fp8_scales(model: torch.nn.Module) -> int:
     sharded = _compat.fsdp_shard_params(model)
     for p in model.parameters():
         local = _compat.dtensor_local(p) if _compat.is_dtensor(p) else p
-        if not isinstance(local, FP8GatherShard) or local._state.fallback is not None:
+        if (not isinstance(local, FP8GatherShard) or local._state.fallback is not None
+                or local._state.blocks):  # block scales need no amax
             continue
         if id(p) not in sharded:
             raise ValueError("graphpass.precompute_fsdp_fp8_scales: the model's FP8-gathered "
@@ -382,9 +453,11 @@ def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
     wrapped. A model ``fully_shard`` was applied to is a ValueError. Left in the parameter
     dtype, each with its reason (returned, and warned): linears ``fp8_exclude`` names (the
     output head by default), weights that are not 2-D floating-point tensors, DTensor layouts
-    other than Shard or Replicate on a 1-D mesh, every weight when the recipe is not
-    tensorwise, when ``fp8_weight_all_gather`` is off, or when this torch's FSDP2 has no
-    all-gather extension."""
+    other than Shard or Replicate on a 1-D mesh, every weight when the recipe is neither
+    tensorwise nor blockwise, when ``fp8_weight_all_gather`` is off, or when this torch's FSDP2
+    has no all-gather extension. A blockwise weight whose shards are not whole 128-row blocks
+    is wrapped and says so (a warning) at its first all-gather, which moves the parameter
+    dtype."""
     from ..config import given
 
     config = given(config)
@@ -394,10 +467,8 @@ def fsdp_fp8_weights(model: torch.nn.Module, config: Any) -> Wrapped:
         every = "FP8 is off (fp8=None)"
     elif not config.fp8_weight_all_gather:
         every = "fp8_weight_all_gather=False"
-    elif not config.recipe.per_tensor:
-        every = (f"fp8={config.fp8!r}: its scales are per row or block of the weight, which "
-                 "FSDP2's row shards may cut; the FP8 all-gather is for tensorwise scaling "
-                 "(docs/distributed.md)")
+    elif not (config.recipe.per_tensor or config.recipe.scaling is recipes.Scaling.BLOCKWISE):
+        every = f"fp8={config.fp8!r}: {columnwise_across_shards(config.recipe)}"
     elif not _compat.fsdp_all_gather_extension():
         every = f"torch {torch.__version__}'s FSDP2 has no all-gather extension"
     if any(_compat.is_fsdp_module(m) for m in model.modules()):
@@ -449,6 +520,20 @@ def _tp_layout(w: Tensor) -> tuple[str | None, str | None]:
                       "replicated on a 1-D mesh "
                       "(docs/distributed.md#fsdp2-and-tensor-parallelism)")
     return f"{placements[0]} over a tensor-parallel mesh of {mesh.size()}", None
+
+
+def columnwise_across_shards(recipe: recipes.Recipe) -> str:
+    """Why a rowwise or mxfp8 weight is not all-gathered in FP8 (module docstring)."""
+    if recipe.per_row:
+        where = ("one scale per column of the whole weight, along dim 0 across FSDP's row "
+                 "shards")
+    else:
+        where = ("1x32 blocks down each column, 32 rows of dim 0, not the rowwise copy's blocks "
+                 "transposed")
+    return (f"dgrad's columnwise copy of a weight has {where}; one all-gather serves both "
+            "GEMMs, so an FP8 gather would move both FP8 copies, 2 bytes per element and the "
+            "scales, no fewer than the bf16 gather: the FP8 all-gather is for tensorwise and "
+            "blockwise scaling (docs/distributed.md)")
 
 
 def _why_not(name: str, w: Tensor, config: Any) -> str | None:

@@ -17,7 +17,7 @@ import torch.fx as fx
 from .. import _compat
 from ..decisions import Decision, What
 from ..report import format_bytes
-from .joint import FSDP_FP8_DATA, is_fsdp_fp8_scale
+from .joint import FSDP_FP8_BLOCK_SCALES, FSDP_FP8_DATA, is_fsdp_fp8_scale
 from .nodes import normalize_path, op_name
 from .ops import CASTS, COLLECTIVE_GATHERS, VIEWS
 
@@ -79,55 +79,70 @@ SHARDS_OPS = frozenset({"graphpass.quantize_shards", "graphpass.quantize_weight_
 
 
 def weight_gathers(gm: fx.GraphModule, parameter_names: set[str]
-                   ) -> list[tuple[fx.Node, fx.Node, torch.dtype | None]]:
+                   ) -> list[tuple[fx.Node, fx.Node, torch.dtype | None, bool]]:
     """The all-gathers of parameters in ``gm`` (SimpleFSDP's weights): each gather, the shard's
-    placeholder it reads (through views, casts and the FP8 quantize moved before it), and the
-    FP8 dtype its bytes hold (None: it gathers the parameter's values)."""
+    placeholder it reads (through views, casts and the FP8 quantize moved before it), the FP8
+    dtype its bytes hold (None: it gathers the parameter's values), and whether it gathers the
+    shard's block scales (blockwise: a second gather beside the bytes')."""
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or op_name(node) not in COLLECTIVE_GATHERS:
             continue
-        x, fp8 = node.args[0], None
+        x, fp8, scales = node.args[0], None, False
         while isinstance(x, fx.Node) and x.op == "call_function":
             name = op_name(x)
-            if name == "graphpass.quantize_amax":
+            if name == "getitem" and op_name(x.args[0]) in _QUANTIZES:
+                scales = x.args[1] == 1
+            elif name in _QUANTIZES:
                 fp8 = x.meta["val"][0].dtype
             elif name == "getitem" and op_name(x.args[0]) in SHARDS_OPS:
                 # the weight cache's shards (fp8/weight_cache.py): [data_0, scale_inv_0, ...]
                 fp8 = x.meta["val"].dtype
                 x = x.args[0].args[0][x.args[1] // 2]
                 continue
-            elif name not in VIEWS | CASTS | {"getitem", "aten.clone"}:
+            elif name not in VIEWS | CASTS | {"aten.clone"}:
                 break
             x = x.args[0]
         if isinstance(x, fx.Node) and x.op == "placeholder" and x.name in parameter_names:
-            found.append((node, x, fp8))
+            found.append((node, x, fp8, scales))
     return found
+
+
+_QUANTIZES = {"graphpass.quantize_amax", "graphpass.quantize"}
 
 
 def weight_gather_notes(fw: fx.GraphModule, bw: fx.GraphModule, parameter_names: set[str],
                         names: dict[str, str]) -> list[Decision]:
     """One note per all-gather of a parameter (SimpleFSDP): the weight (the user's name, from
     ``names``, else its placeholder's), the gathered shape, the dtype it moves and the bytes
-    this rank receives per step."""
+    this rank receives per step (blockwise: its bytes' gather and its tile scales' together)."""
     notes = []
     for side, gm in (("forward", fw), ("backward", bw)):
-        for gather, shard, fp8 in weight_gathers(gm, parameter_names):
+        gathers = weight_gathers(gm, parameter_names)
+        scales = {shard: gather.meta["val"] for gather, shard, _, is_scale in gathers if is_scale}
+        for gather, shard, fp8, is_scale in gathers:
+            if is_scale:
+                continue
             val = gather.meta["val"]
             shape = tuple(val.shape)
             moved = (f"{str(fp8).removeprefix('torch.')} (as uint8)" if fp8 is not None
                      else str(val.dtype).removeprefix("torch."))
+            size = val.numel() * val.element_size()
+            if fp8 is not None and shard in scales:
+                tiles = scales[shard]
+                moved += f" and {tuple(tiles.shape)} float32 tile scales"
+                size += tiles.numel() * tiles.element_size()
             notes.append(Decision(What.WEIGHT_ALL_GATHER, "distributed", (
-                f"{side}, {shape}, {moved}, {format_bytes(val.numel() * val.element_size())} "
-                "per step"), normalize_path(names.get(shard.name, ""), of_module=False)
-                or shard.name))
+                f"{side}, {shape}, {moved}, {format_bytes(size)} per step"),
+                normalize_path(names.get(shard.name, ""), of_module=False) or shard.name))
     return notes
 
 
 SIMPLE_FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
     "FSDP in the graph (SimpleFSDP): a lowered weight whose all-gather moves FP8 is quantized "
     "shard by shard with the amax of the gathered weight (all-reduced, max, over the FSDP "
-    "group), the bits of quantizing the gathered weight; one moving its parameter dtype is "
+    "group; blockwise: each 128x128 tile by its own, the tile scales gathered beside the "
+    "bytes), the bits of quantizing the gathered weight; one moving its parameter dtype is "
     "quantized after the all-gather (the fp8 all-gather notes say why); the gradients' "
     "reduce-scatters move the gradient dtype; activation amaxes are this rank's batch rows, not "
     "reduced across data-parallel ranks"))
@@ -135,8 +150,9 @@ SIMPLE_FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
 
 FSDP_FP8 = Decision(What.FP8_DISTRIBUTED, "fp8", (
     "FSDP2: a weight graphpass.fsdp_fp8_weights wrapped is all-gathered in FP8, quantized shard "
-    "by shard with the whole weight's amax (all-reduced, max): the bits of quantizing the "
-    "gathered weight, which its FP8 GEMMs read; every other weight is all-gathered in the "
+    "by shard with the whole weight's amax (all-reduced, max; blockwise: each 128x128 tile by "
+    "its own, the tile scales gathered beside the data): the bits of quantizing the gathered "
+    "weight, which its FP8 GEMMs read; every other weight is all-gathered in the "
     "parameter dtype and, where lowered, quantized after the all-gather from the unsharded "
     "weight (the weight all-gather notes list each); activation amaxes are this rank's batch "
     "rows, not reduced across data-parallel ranks"))
@@ -147,15 +163,21 @@ def fsdp_weight_gather_notes(fw: fx.GraphModule, parameter_names: set[str],
     """Under FSDP2 (its all-gathers run before the graph, in its hooks): one note per weight the
     forward reads, with the dtype its all-gather moves and the bytes this rank receives per
     all-gather: FP8 for a weight ``fsdp_fp8_weights`` wrapped (its data input, 1 byte per
-    element; the scale is not gathered), else the parameter's dtype."""
+    element, plus, blockwise, its gathered fp32 block scales; a tensorwise scale is not
+    gathered), else the parameter's dtype."""
     notes = []
     for p in fw.graph.find_nodes(op="placeholder"):
         val = p.meta.get("val")
         if not isinstance(val, torch.Tensor) or is_fsdp_fp8_scale(p):
             continue
+        size = val.numel() * val.element_size()
         if p.meta.get(FSDP_FP8_DATA):
             moved, why = (f"{str(val.dtype).removeprefix('torch.')} (as uint8)",
                           "graphpass.fsdp_fp8_weights")
+            scales = p.meta.get(FSDP_FP8_BLOCK_SCALES)  # their shape
+            if scales:
+                moved += f" and {scales} float32 tile scales"
+                size += 4 * scales[0] * scales[1]
         elif p.name in parameter_names:
             moved, why = str(val.dtype).removeprefix("torch."), "parameter dtype"
         else:
@@ -163,7 +185,7 @@ def fsdp_weight_gather_notes(fw: fx.GraphModule, parameter_names: set[str],
         name = normalize_path(names.get(p.name, ""), of_module=False) or p.name
         notes.append(Decision(What.WEIGHT_ALL_GATHER, "distributed", (
             f"FSDP2 (before the graph), {tuple(val.shape)}, {moved} ({why}), "
-            f"{format_bytes(val.numel() * val.element_size())} each all-gather"), name))
+            f"{format_bytes(size)} each all-gather"), name))
     return notes
 
 
@@ -175,7 +197,7 @@ def fp8_distributed_notes(fw: fx.GraphModule, bw: fx.GraphModule, *, fsdp: bool,
     ``parameter_names``: the placeholders that are parameters (an all-gather of one is
     SimpleFSDP's, noted apart from the tensor-parallel ones)."""
     notes = [FSDP_FP8] if fsdp else []
-    weights = {g for gm in (fw, bw) for g, _, _ in weight_gathers(gm, parameter_names)}
+    weights = {g for gm in (fw, bw) for g, *_ in weight_gathers(gm, parameter_names)}
     if weights:
         notes.append(SIMPLE_FSDP_FP8)
     moved = {node.meta["val"].dtype

@@ -67,6 +67,9 @@ def primals(joint: fx.GraphModule) -> list[fx.Node]:
 # The meta keys of the primals of a weight FSDP2 all-gathered in FP8: its scale, its data.
 FSDP_FP8_SCALE = "graphpass_fsdp_fp8_scale"
 FSDP_FP8_DATA = "graphpass_fsdp_fp8_data"
+# ...and on a data primal whose scales are gathered beside it (blockwise's 128x128 tiles):
+# the scales' shape
+FSDP_FP8_BLOCK_SCALES = "graphpass_fsdp_fp8_block_scales"
 
 
 def is_fsdp_fp8_scale(node: fx.Node) -> bool:

@@ -35,7 +35,7 @@ from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, Quantized, What, record
 from ..fp8 import recipes
-from ..fp8.ops import AMAX, QUANTIZE_AMAX
+from ..fp8.ops import AMAX, QUANTIZE, QUANTIZE_AMAX
 from ..graph.joint import (Side, copy_checkpoint_tags, in_user_checkpoint, partition_side,
                            set_partition_side)
 from ..graph.collectives import gathered_parameter
@@ -93,9 +93,12 @@ def _live_users(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u.users or op_name(u) not in GATHER_LAYOUT | {"getitem"}]
 
 
-def match_gather(gather: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
+def match_gather(gather: fx.Node,
+                 blocks: bool = False) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
     """(the wait, the layout nodes after it in graph order, the quantizes reading them), or why
-    not ("" when no quantize reads the gathered tensor: nothing to say)."""
+    not ("" when no quantize reads the gathered tensor: nothing to say). ``blocks``: blockwise
+    quantizes match too (a weight's 128x128 tiles: ``passes/fp8_weight_all_gather.py`` checks
+    the shards)."""
     x = gather.args[0]
     if not isinstance(x, fx.Node) or x.meta["val"].dtype not in _HIGH_PRECISION:
         return ""
@@ -128,7 +131,9 @@ def match_gather(gather: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]
         return (f"the gathered {_dtype(wait)} is also read by {', '.join(sorted(set(others)))}: "
                 "quantized after the all-gather")
     recipes_ = {recipes.get_recipe(q.args[1]) for q in quantizes}
-    if len(recipes_) != 1 or not next(iter(recipes_)).per_tensor:
+    block_ok = blocks and len(recipes_) == 1 and (
+        next(iter(recipes_)).scaling is recipes.Scaling.BLOCKWISE)
+    if len(recipes_) != 1 or not (next(iter(recipes_)).per_tensor or block_ok):
         shown = sorted({r.quantization_key for r in recipes_})
         return (f"{', '.join(shown)} scales: the FP8 all-gather is for tensorwise scaling "
                 "only (docs/distributed.md): quantized after the all-gather")
@@ -164,12 +169,16 @@ def _every_element_once(path: list[fx.Node], quantizes: list[fx.Node], numel: in
 
 def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path: list[fx.Node],
                            quantizes: list[fx.Node], amax: fx.Node | None = None,
-                           shard: tuple[fx.Node, fx.Node] | None = None) -> None:
+                           shard: tuple[fx.Node, fx.Node] | None = None,
+                           blocks: bool = False) -> None:
     """Rewrite ``gather`` (matched by :func:`match_gather`): quantize its input with the group's
     amax, all-gather the FP8 bytes. ``amax``: the group's amax of the input, reduced already
     (one all-reduce for several gathers); None reduces this input's own amax here. ``shard``:
     the input's FP8 rows and their scale_inv, quantized already (SimpleFSDP's weight cache,
-    ``fp8/weight_cache.py``): neither amax nor quantize here."""
+    ``fp8/weight_cache.py``): neither amax nor quantize here. ``blocks``: a blockwise weight
+    whose dim-0 shards are whole 128-row tiles, with only views of the gathered whole in
+    ``path``: each shard quantized alone (no amax), its tile scales gathered beside its bytes,
+    a columnwise copy both transposed."""
     x, group_size, group_name = gather.args[:3]
     _, recipe, role, _ = quantizes[0].args
     fp8 = recipes.fp8_dtype(recipe, role)
@@ -201,6 +210,8 @@ def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path
     with graph.inserting_before(gather):
         if shard is not None:
             data, scale_inv = shard
+        elif blocks:
+            reduced = None
         elif amax is None:
             local_amax = new(AMAX, (x,), gather)
             reduced = new(_compat.functional_collective("all_reduce"),
@@ -213,12 +224,23 @@ def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path
         if shard is None:
             rows = new(torch.ops.aten.reshape.default, (x, [-1, local.shape[-1]]), gather)
             # the quantize and its outputs belong to the linear, as the quantizes they replace
-            q = new(QUANTIZE_AMAX, (rows, reduced, recipe, role), gather, module=quantizes[0])
+            if blocks:
+                q = new(QUANTIZE, (rows, recipe, role, "rowwise"), gather, module=quantizes[0])
+            else:
+                q = new(QUANTIZE_AMAX, (rows, reduced, recipe, role), gather,
+                        module=quantizes[0])
             data = new(operator.getitem, (q, 0), gather, module=quantizes[0])
             scale_inv = new(operator.getitem, (q, 1), gather, module=quantizes[0])
             record(q, quantized=quantized)
         record(data, quantized=quantized)
         record(scale_inv, quantized=quantized, fp8_scale=True)
+        if blocks:  # the shards' tile scales, gathered along dim 0 as the bytes are
+            local_scale = scale_inv.meta["val"]
+            scale_inv = new(gather.target, (scale_inv, group_size, group_name), gather,
+                            val=local_scale.new_empty((local_scale.shape[0] * group_size,
+                                                       *local_scale.shape[1:])))
+            scale_inv = new(wait.target, (scale_inv,), wait, val=scale_inv.meta["val"])
+            record(scale_inv, quantized=quantized, fp8_scale=True)
         as_bytes = new(torch.ops.aten.view.dtype, (data, torch.uint8), gather)
         as_bytes = new(torch.ops.aten.view.default, (as_bytes, list(local.shape)), gather)
         gathered_val = wait.meta["val"].new_empty(wait.meta["val"].shape, dtype=torch.uint8)
@@ -248,8 +270,15 @@ def quantize_before_gather(graph: fx.Graph, gather: fx.Node, wait: fx.Node, path
                     col.meta["recompute"] = old_q.meta["recompute"]
                 record(t, quantized=Quantized(role, True, x, recipe))
                 record(col, quantized=Quantized(role, True, x, recipe))
+                col_scale = scale_inv
+                if blocks:  # the tiles of the transpose are the tiles transposed
+                    ts = new(torch.ops.aten.permute.default, (scale_inv, [1, 0]), old_q)
+                    col_scale = new(torch.ops.aten.clone.default, (ts,), old_q,
+                                    kwargs={"memory_format": torch.contiguous_format})
+                    record(col_scale, quantized=Quantized(role, True, x, recipe),
+                           fp8_scale=True)
                 first = 2 if usage == "both" else 0
-                outputs[first], outputs[first + 1] = col, scale_inv
+                outputs[first], outputs[first + 1] = col, col_scale
         replace_tuple_node(graph, old_q, outputs)
     for old in reversed([wait, *path]):
         for user in list(old.users):  # dead views the lowering left

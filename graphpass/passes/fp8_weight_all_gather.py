@@ -20,6 +20,21 @@ quantization is elementwise under one scale, so the gathered FP8 bytes and the s
 bit-identical to quantizing the gathered weight (``fp8_weight_all_gather=False``);
 ``tests/test_simple_fsdp_gloo.py`` checks losses, gradients and parameters on two ranks.
 
+Blockwise (128x128 weight tiles), where each rank's shard is whole 128-row tiles (even
+shards, the shard rows a multiple of 128) and the quantizes read the gathered weight as it is:
+no reduction, each shard quantized alone, and both its bytes and its tile scales gathered
+(dim 0, two all-gathers):
+
+    data_i, scale_i = graphpass::quantize(shard_i, blockwise, "weight", "rowwise")
+    data_i  = all_gather(data_i as uint8)                    1 byte per element
+    scale_i = all_gather(scale_i)                            4 bytes per 128x128 tile
+    dgrad's columnwise copy: the gathered bytes and scales transposed
+
+A tile's amax, scale and cast read that tile only, and the shard's tiles are the gathered
+weight's tiles of its rows, so the bits are those of quantizing the gathered weight; the tiles
+of ``w.t()`` are ``w``'s transposed, so dgrad's copy is the transpose, bit for bit. A shard that
+is not whole tiles keeps the bf16 gather with a note naming its rows and the block.
+
 Under ``fp8_weight_cache`` (``True``, or ``"auto"`` with a memory budget), the amaxes, the
 all-reduce and the quantizes of the weights whose shard is a parameter (or its dtype cast) are
 one ``graphpass::quantize_weight_shards`` (``fp8/weight_cache.py``) before the first gather:
@@ -28,10 +43,13 @@ ranks hit and miss together: the op's docstring says why), the all-gathers still
 micro-batch on its cached bytes (:func:`_cache_shards`).
 
 Left as a bf16 all-gather quantized after, each with a note: a weight whose gathered value
-something other than a tensorwise quantize reads (an embedding, a linear kept in bf16), a
-gather whose layout ops do not keep every element once (an uneven shard's padding sliced off),
-and per-row or per-block scales (dgrad's columnwise copy scales along dim 0, which FSDP shards:
-its blocks cross the shards). The backward's reduce-scatter of the gradients is not touched: a
+something other than a tensorwise or blockwise weight quantize reads (an embedding, a linear
+kept in bf16), a gather whose layout ops do not keep every element once (an uneven shard's
+padding sliced off), a blockwise shard that cuts a tile, and rowwise and mxfp8 scales: dgrad's
+columnwise copy scales along dim 0 (rowwise: one scale per column of the whole weight, across
+the shards; mxfp8: 32-row blocks, not the rowwise copy transposed), so the joint graph's one
+gather for both GEMMs would move both FP8 copies, no fewer bytes than bf16
+(``fp8/fsdp.py``'s docstring). The backward's reduce-scatter of the gradients is not touched: a
 sum of FP8 values is not the sum the bf16 reduce-scatter computes.
 """
 
@@ -48,6 +66,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .. import _compat
 from ..config import Config
 from ..decisions import Decision, Plan, What
+from ..fp8 import recipes
+from ..fp8.fsdp import columnwise_across_shards
 from ..fp8.ops import AMAX, QUANTIZE
 from ..fp8.weight_cache import QUANTIZE_SHARDS, QUANTIZE_WEIGHT_SHARDS
 from ..graph.collectives import gathered_parameter
@@ -60,6 +80,8 @@ from .tags import tag
 
 WEIGHT_CACHE_BY = "fp8_weight_cache"
 
+# layout ops that keep a 2-D tensor's elements where they are (same shape: the same tiles)
+_SAME_ELEMENTS = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.alias"}
 _PLUMBING = COLLECTIVE_GATHERS | COLLECTIVE_WAITS | GATHER_LAYOUT | {"getitem", "aten.slice"}
 _Found = tuple[fx.Node, fx.Node, list[fx.Node], list[fx.Node]]  # gather, wait, path, quantizes
 
@@ -76,6 +98,7 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
     bf16 = (f"in {{}}, quantized after the all-gather every micro-batch (the weight cache "
             "keeps FP8-gathered shards only)")
     todo: list[_Found] = []
+    rewritten = False
     for gather in gathers:
         padded = _padded(gather)
         if padded:
@@ -85,7 +108,7 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
                 _not_cached(plan, gather, gather, _module(gather),
                             bf16.format(_dtype(gather)))
             continue
-        found = match_gather(gather)
+        found = match_gather(gather, blocks=True)
         if isinstance(found, str):
             if found:  # "": no quantize reads it (a norm's weight): not a lowered weight
                 plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", _why_not(gather, found),
@@ -103,8 +126,34 @@ def fp8_weight_all_gather(joint: fx.GraphModule, plan: Plan, config: Config,
                 _not_cached(plan, gather, wait, module_path(quantizes[0]),
                             bf16.format(_dtype(gather)))
             continue
-        todo.append((gather, wait, path, quantizes))
+        if recipes.get_recipe(quantizes[0].args[1]).per_tensor:
+            todo.append((gather, wait, path, quantizes))
+            continue
+        why = _cut_tiles(gather, wait, path, quantizes)
+        if why:
+            plan.decide(Decision(What.NOT_FP8_ALL_GATHER, "fp8", why, module_path(quantizes[0])),
+                        once=True)
+            if cache:
+                _not_cached(plan, gather, wait, module_path(quantizes[0]),
+                            bf16.format(_dtype(gather)))
+            continue
+        rows = gather.args[0].meta["val"].shape[0]
+        quantize_before_gather(graph, gather, wait, path, quantizes, blocks=True)
+        dgrad = any(q.args[3] in ("columnwise", "both") for q in quantizes)
+        plan.decide(Decision(What.FP8_ALL_GATHER, "fp8", (
+            f"weight, forward: each {rows}-row shard quantized alone in whole 128x128 tiles (no "
+            "reduction), the all-gathers move FP8 bytes and the tile scales" + (
+                "; dgrad's columnwise copy is the gathered copy and scales transposed"
+                if dgrad else "")), module_path(quantizes[0])), once=True)
+        rewritten = True
+        if cache:
+            _not_cached(plan, gather, wait, module_path(quantizes[0]), (
+                "blockwise: each shard quantized alone in its tiles every micro-batch (the "
+                "weight cache keeps tensorwise FP8-gathered shards only)"))
     if not todo:
+        if rewritten:
+            graph.lint()
+            joint.recompile()
         return
     by_group: dict[Any, list[_Found]] = {}
     for found in todo:
@@ -241,6 +290,38 @@ def _decided(plan: Plan, quantizes: list[fx.Node], reduced: str) -> None:
         module_path(quantizes[0])), once=True)
 
 
+def _cut_tiles(gather: fx.Node, wait: fx.Node, path: list[fx.Node],
+               quantizes: list[fx.Node]) -> str:
+    """Why a blockwise weight's gather stays in high precision: a shard that is not whole
+    128-row tiles (a tile would cross a shard boundary), or a quantize that reads the gathered
+    weight other than as it is (the gathered tile scales are the whole weight's only as is);
+    "" where each shard can be quantized alone."""
+    block = recipes.block_shape(quantizes[0].args[1], "weight")[0]
+    rows, world = gather.args[0].meta["val"].shape[0], gather.args[1]
+    moved = f"the all-gather moves {_dtype(gather)}, quantized after it"
+    if quantizes[0].args[2] != "weight" or gather.args[0].meta["val"].dim() != 2:
+        return f"weight: blockwise, quantized as {quantizes[0].args[2]}: {moved}"
+    if rows % block:
+        return (f"weight: blockwise: its shards are {rows} rows ({rows * world} rows over "
+                f"{world} ranks), not a multiple of the {block}x{block} scale block: a block "
+                f"would cross a shard boundary, so its scale needs rows of two shards; {moved}")
+    if not all(_as_gathered(q.args[0], wait) for q in quantizes):
+        return (f"weight: blockwise, quantized through a layout change of the gathered weight "
+                f"(its tiles are not the shards' tiles): {moved}")
+    return ""
+
+
+def _as_gathered(x: fx.Node, wait: fx.Node) -> bool:
+    """Whether ``x`` is the gathered weight ``wait`` as it is: ``wait`` itself or views of it
+    in its shape (every element where it was, so the same tiles)."""
+    shape = wait.meta["val"].shape
+    while x is not wait:
+        if op_name(x) not in _SAME_ELEMENTS or x.meta["val"].shape != shape:
+            return False
+        x = x.args[0]
+    return True
+
+
 def _module(gather: fx.Node) -> str:
     """The module a gathered weight belongs to: that of the first of its readers past the
     collective and the layout ops (a quantize, a GEMM, an embedding; the gather itself belongs
@@ -293,9 +374,8 @@ def _why_not(gather: fx.Node, why: str) -> str:
     """The sequence-parallel matcher's reason, in a weight's terms where they differ."""
     if "scales: the FP8 all-gather is for tensorwise scaling only" in why:
         key = why.split(" scales:")[0]
-        return (f"weight: {key} scales: dgrad's columnwise copy scales along dim 0, which FSDP "
-                "shards, so its scale blocks cross the shards; the FP8 all-gather of weights is "
-                f"tensorwise only: the all-gather moves {_dtype(gather)}, quantized after it")
+        return (f"weight: {key} scales: {columnwise_across_shards(recipes.get_recipe(key))}; "
+                f"the all-gather moves {_dtype(gather)}, quantized after it")
     if why.startswith("a quantize reads part of") or why.startswith("the gathered pieces"):
         return (f"weight: {why.split(':')[0]} (an uneven shard's padding): the all-gather moves "
                 f"{_dtype(gather)}, quantized after it")
