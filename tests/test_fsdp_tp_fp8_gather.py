@@ -294,7 +294,8 @@ def test_the_gathered_weight_comes_back_in_place_for_any_fsdp_shard_dim():
     shard._state.size = w.shape
     padded_dim0 = torch.cat([raw, raw.new_zeros(2, 96)])  # 3 ranks of 22 rows: 2 rows of padding
     for gathered in (raw.reshape(-1, 48), padded_dim0):
-        out, _ = shard.fsdp_post_all_gather((gathered,), (scale_inv, data.dtype, torch.bfloat16),
+        out, _ = shard.fsdp_post_all_gather((gathered,), (scale_inv, data.dtype, torch.bfloat16,
+                                                          "tensorwise"),
                                             torch.bfloat16)
         assert isinstance(out, FP8GatheredWeight) and tuple(out.shape) == (64, 96)
         assert torch.equal(out._data.view(torch.uint8), raw) and out._scale_inv is scale_inv

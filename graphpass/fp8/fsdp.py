@@ -65,6 +65,10 @@ mesh), and the FP8 bytes are the bits of quantizing the gathered TP shard, for c
 row-parallel weights alike. FSDP2 hands the unsharded parameter back as a DTensor over the
 gathered ``FP8GatheredWeight``. A DTensor on a mesh of more than one dimension, or with a
 Partial or strided placement, keeps its bf16 gather (a warning says so).
+
+One module because the two wrapper subclasses, FSDP2's hooks on them, the amax reductions and
+the wrapping of a model read and write one state per weight (``_State``): which recipe, which
+shard layout, which scale, and why a weight gathers in high precision.
 """
 
 from __future__ import annotations
