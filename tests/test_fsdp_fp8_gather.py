@@ -76,6 +76,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"fsdp_fp8-{r}.pt") for r in range(WORLD)]
 
 
+@pytest.mark.every_param  # per-block and whole-model compile: one gloo run gives both
 @pytest.mark.parametrize("whole", [False, True], ids=["per_block", "whole_model"])
 def test_fsdp2_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks, whole):
     """Losses at every step, gradients at every step (gathered with ``full_tensor()``) and the
@@ -95,6 +96,7 @@ def test_fsdp2_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks, whole
         assert fp8["warnings"] == []  # the scales were reduced after each step: none stale
 
 
+@pytest.mark.every_param  # per-block and whole-model compile: one gloo run gives both
 @pytest.mark.parametrize("whole", [False, True], ids=["per_block", "whole_model"])
 def test_fsdp2_fp8_weight_gathers_halve_the_lowered_weights_bytes(ranks, whole):
     """Counted from the collectives each step ran (a recorder around torch.distributed's): each
