@@ -240,3 +240,34 @@ def test_the_sweeps_fastest_tiles_run_the_experts_benchmark(tmp_path, monkeypatc
     path.write_text('{"weights": {}}')
     with pytest.raises(SystemExit, match="unknown kernel families"):
         experts.use_tiles(path)
+
+
+# a subprocess with its own 1-rank process group, about 30 s; FSDP2's FP8 gathers themselves
+# are tested on every torch version (tests/test_fsdp_fp8_gather.py)
+@pytest.mark.one_version
+def test_fsdp_fp8_gather_benchmark_dry_run(tmp_path):
+    """benchmarks/fsdp_fp8_gather.py (issue 51's GPU check: FSDP2 on one rank, FP8 against bf16
+    weight gathers): both configs time their steps, the losses are equal (bit-identical
+    gathers), and the 2% target is judged, as a dry run."""
+    import os
+    import subprocess
+    import sys
+
+    from _benchmarks import ROOT
+
+    out = tmp_path / "fsdp.md"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fsdp_fp8_gather.py"), "--dry-run", "--layers",
+         "1", "--steps", "1", "--out", str(out)],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| (FSDP2[^|]+?) \|.*$", text, re.M)}
+    assert len(rows) == 2, text
+    for row in rows.values():
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert re.fullmatch(r"\d+\.\d\d", cells[1]) and not cells[-1], row
+    assert re.search(r"^- DRY RUN \(would (pass|fail)\): FP8 all-gathered step at most 1\.02x",
+                     text, re.M), text
+    assert "- losses equal" in text
