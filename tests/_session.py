@@ -31,3 +31,42 @@ def once(tmp_path_factory, key: str, fill: Callable[[Path], None], *, timeout: f
             fill(out)
             (out / "done").touch()
     return out
+
+
+def launch(label: str, commands: dict[str, list[str]], out: Path, timeout: float) -> None:
+    """Run ``commands`` (name: argv) at once, each with one intra-op thread, its output in
+    ``out/<name>.log``; kill every process still running ``timeout`` seconds after the start.
+    A process that timed out or failed fails the test with each process's last 30 lines, so a
+    stuck collective never hangs CI."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    out.mkdir(exist_ok=True)
+    procs, logs = {}, {}
+    for name, argv in commands.items():
+        logs[name] = out / f"{name.replace(' ', '')}.log"
+        with open(logs[name], "w") as log:
+            procs[name] = subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    timed_out = []
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out.append(name)
+    for name in timed_out:
+        os.killpg(procs[name].pid, signal.SIGKILL)
+        procs[name].wait()
+    failed = {name: p.returncode for name, p in procs.items() if p.returncode != 0}
+    if timed_out or failed:
+        tails = "\n".join(f"--- {name} (exit {procs[name].returncode}):\n"
+                          + "\n".join(logs[name].read_text().splitlines()[-30:]) for name in procs)
+        pytest.fail(f"{label}: timed out after {timeout} s: {timed_out}; failed: {failed}\n{tails}",
+                    pytrace=False)

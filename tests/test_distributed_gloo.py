@@ -18,10 +18,6 @@ bounds below are the measured values (docs/distributed.md) with a margin.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,13 +27,12 @@ import torch.distributed as dist
 
 from graphpass.distributed import FSDP_FP8_NOTE
 
-from _session import once
+from _session import launch, once
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
 
 WORKER = Path(__file__).with_name("_gloo_worker.py")
-ROOT = WORKER.parent.parent
 TIMEOUT = 240  # seconds for a whole scenario: both ranks and the reference, compiles included
 WORLD = 2
 STEPS = 3
@@ -58,35 +53,11 @@ def _run(scenario: str, out: Path, timeout: float = TIMEOUT, reference: bool = T
     """Both ranks of ``scenario`` and (``reference``) its one-process reference, at once, each
     writing what it measured under ``out``; killed at ``timeout`` seconds. ``worker``: the
     script each process runs (``worker SCENARIO OUT RANK WORLD STORE``)."""
-    out.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    store = out / "store"
-    commands = {f"rank {r}": [sys.executable, str(worker), scenario, str(out), str(r), str(WORLD),
-                              str(store)] for r in range(WORLD)}
+    commands = {f"rank {r}": [str(worker), scenario, str(out), str(r), str(WORLD),
+                              str(out / "store")] for r in range(WORLD)}
     if reference:
-        commands["reference"] = [sys.executable, str(worker), f"{scenario}_ref", str(out)]
-    procs, logs = {}, {}
-    for name, command in commands.items():
-        logs[name] = out / f"{name.replace(' ', '')}.log"
-        with open(logs[name], "w") as log:
-            procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
-    deadline = time.monotonic() + timeout
-    timed_out = []
-    for name, proc in procs.items():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out.append(name)
-    for name in timed_out:
-        os.killpg(procs[name].pid, signal.SIGKILL)
-        procs[name].wait()
-    failed = {name: p.returncode for name, p in procs.items() if p.returncode != 0}
-    if timed_out or failed:
-        tails = "\n".join(f"--- {name} (exit {procs[name].returncode}):\n"
-                          + "\n".join(logs[name].read_text().splitlines()[-30:]) for name in procs)
-        pytest.fail(f"{scenario}: timed out after {timeout} s: {timed_out}; failed: {failed}\n{tails}",
-                    pytrace=False)
+        commands["reference"] = [str(worker), f"{scenario}_ref", str(out)]
+    launch(scenario, commands, out, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,6 @@ against the peak torch's ``FSDPMemTracker`` measures over the same real step on 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +16,7 @@ from graphpass.job.estimate import estimate
 from graphpass.job.result import Part
 
 import _estimate_worker as worker
+from _session import launch
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
@@ -36,27 +32,9 @@ def measured(request, tmp_path_factory) -> list[dict[str, int]]:
     """Both ranks' measured peaks of the cases this session runs."""
     cases = [n for n in worker.CASES if any(f"[{n}]" in item.name for item in request.session.items)]
     out = tmp_path_factory.mktemp("estimate-fsdp")
-    env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent), OMP_NUM_THREADS="1")
-    procs, logs = [], []
-    for r in range(WORLD):
-        logs.append(out / f"rank{r}.log")
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), str(out), str(r), str(WORLD), str(out / "store"),
-                 *cases],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + TIMEOUT
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    if any(p.returncode for p in procs):
-        tails = "\n".join(f"--- rank {r} (exit {p.returncode}):\n"
-                          + "\n".join(logs[r].read_text().splitlines()[-30:])
-                          for r, p in enumerate(procs))
-        pytest.fail(f"the FSDP2 ranks failed or timed out ({TIMEOUT} s):\n{tails}", pytrace=False)
+    launch("estimate_fsdp", {
+        f"rank {r}": [str(WORKER), str(out), str(r), str(WORLD), str(out / "store"), *cases]
+        for r in range(WORLD)}, out, TIMEOUT)
     return [torch.load(out / f"peaks-{r}.pt") for r in range(WORLD)]
 
 

@@ -13,11 +13,6 @@ gathered in FP8 with their tile scales, the others in bf16.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -31,14 +26,13 @@ from graphpass.distributed import FSDP_FP8_NOTE
 from graphpass.fp8 import recipes
 from graphpass.fp8.fsdp import FP8GatheredWeight, FP8GatherShard
 
-from _session import once
+from _session import launch, once
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="needs torch.distributed with gloo")
 
 WORKER = Path(__file__).with_name("_gloo_fsdp_fp8_worker.py")
-ROOT = WORKER.parent.parent
 TIMEOUT = 240  # seconds for both ranks, compiles included
 WORLD = 2
 OPTIONS = dict(fp8="tensorwise", kernels="reference", codegen="eager")
@@ -46,28 +40,8 @@ OPTIONS = dict(fp8="tensorwise", kernels="reference", codegen="eager")
 
 def _run(out: Path) -> None:
     """Both ranks at once, killed at TIMEOUT (each process's last lines in the failure)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs, logs = {}, {}
-    for r in range(WORLD):
-        logs[r] = out / f"rank{r}.log"
-        with open(logs[r], "w") as log:
-            procs[r] = subprocess.Popen(
-                [sys.executable, str(WORKER), str(out), str(r), str(WORLD), str(out / "store")],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + TIMEOUT
-    timed_out = []
-    for r, proc in procs.items():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out.append(r)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    failed = {r: p.returncode for r, p in procs.items() if p.returncode != 0}
-    if timed_out or failed:
-        tails = "\n".join(f"--- rank {r}:\n" + "\n".join(logs[r].read_text().splitlines()[-30:])
-                          for r in procs)
-        pytest.fail(f"timed out: {timed_out}; failed: {failed}\n{tails}", pytrace=False)
+    launch("fsdp_fp8", {f"rank {r}": [str(WORKER), str(out), str(r), str(WORLD), str(out / "store")]
+                        for r in range(WORLD)}, out, TIMEOUT)
 
 
 @pytest.fixture(scope="module")

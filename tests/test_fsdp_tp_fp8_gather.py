@@ -12,11 +12,6 @@ the post-all-gather's weight for each FSDP2 shard dim.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -28,14 +23,13 @@ import torch.nn as nn
 import graphpass
 from graphpass.fp8.fsdp import FP8GatherShard
 
-from _session import once
+from _session import launch, once
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="needs torch.distributed with gloo")
 
 WORKER = Path(__file__).with_name("_gloo_fsdp_tp_fp8_worker.py")
-ROOT = WORKER.parent.parent
 TIMEOUT = 300  # seconds for the 4 ranks and the reference, compiles included
 DP, TP = 2, 2
 OPTIONS = dict(fp8="tensorwise", kernels="reference", codegen="eager")
@@ -46,30 +40,10 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 def _run(out: Path) -> None:
     """The 4 ranks and the reference at once, killed at TIMEOUT (each one's last lines in the
     failure)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    commands = {f"rank{r}": [str(r), str(DP * TP), str(out / "store")] for r in range(DP * TP)}
-    commands["ref"] = ["ref"]
-    procs, logs = {}, {}
-    for name, args in commands.items():
-        logs[name] = out / f"{name}.log"
-        with open(logs[name], "w") as log:
-            procs[name] = subprocess.Popen([sys.executable, str(WORKER), str(out), *args],
-                                           env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
-    deadline = time.monotonic() + TIMEOUT
-    timed_out = []
-    for name, proc in procs.items():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out.append(name)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    failed = {n: p.returncode for n, p in procs.items() if p.returncode != 0}
-    if timed_out or failed:
-        tails = "\n".join(f"--- {n}:\n" + "\n".join(logs[n].read_text().splitlines()[-30:])
-                          for n in procs)
-        pytest.fail(f"timed out: {timed_out}; failed: {failed}\n{tails}", pytrace=False)
+    commands = {f"rank {r}": [str(WORKER), str(out), str(r), str(DP * TP), str(out / "store")]
+                for r in range(DP * TP)}
+    commands["ref"] = [str(WORKER), str(out), "ref"]
+    launch("fsdp_tp", commands, out, TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,13 @@ the reduce-scatters) unchanged; the loss falls.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _session import once
+from _session import launch, once
 
 pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 pytestmark = [
@@ -38,7 +33,6 @@ pytestmark = [
 ]
 
 WORKER = Path(__file__).with_name("_simple_fsdp_tp_worker.py")
-ROOT = WORKER.parent.parent
 TIMEOUT = 360  # seconds for the 4 ranks, imports and compiles included
 DP, TP = 2, 2
 STEPS = 3
@@ -49,30 +43,9 @@ LINEAR_SHARDS = sorted([(64, 256), (32, 256), (32, 256), (128, 128), (128, 256),
 
 def _run(out: Path) -> None:
     """The 4 ranks at once, killed at TIMEOUT (each one's last lines in the failure)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs, logs = {}, {}
-    for r in range(DP * TP):
-        logs[r] = out / f"rank{r}.log"
-        with open(logs[r], "w") as log:
-            procs[r] = subprocess.Popen(
-                [sys.executable, str(WORKER), str(out), str(r), str(DP * TP), str(out / "store")],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + TIMEOUT
-    timed_out = []
-    for r, proc in procs.items():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out.append(r)
-    for r in timed_out:
-        os.killpg(procs[r].pid, signal.SIGKILL)
-        procs[r].wait()
-    failed = {r: p.returncode for r, p in procs.items() if p.returncode != 0}
-    if timed_out or failed:
-        tails = "\n".join(f"--- rank {r} (exit {procs[r].returncode}):\n"
-                          + "\n".join(logs[r].read_text().splitlines()[-30:]) for r in procs)
-        pytest.fail(f"timed out after {TIMEOUT} s: {timed_out}; failed: {failed}\n{tails}",
-                    pytrace=False)
+    launch("simple_fsdp_tp", {
+        f"rank {r}": [str(WORKER), str(out), str(r), str(DP * TP), str(out / "store")]
+        for r in range(DP * TP)}, out, TIMEOUT)
 
 
 @pytest.fixture(scope="module")
