@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -97,27 +98,35 @@ def _run(rank: int, recorder: Recorder, *, fp8_gather: bool, whole: bool,
     if fp8_gather:
         graphpass.precompute_fsdp_fp8_scales(model)
     local = [t.chunk(WORLD)[rank] for t in x]
+    trained = train(model, lambda: _loss(run, local), opt, recorder, fp8_gather)
+    return dict(trained, reports=_report_summary(backend.partitioner.reports),
+                wrapped=None if wrapped is None else (wrapped.fp8, wrapped.kept),
+                shapes={n: tuple(p.shape) for n, p in model.named_parameters()})
+
+
+def train(model: torch.nn.Module, loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
+          recorder: Recorder, fp8_gather: bool) -> dict:
+    """STEPS steps of ``loss()`` under FSDP2, the scales reduced after each optimizer step when
+    the weights are FP8-gathered: each step's loss, gradients (full tensors) and collectives,
+    the parameters after, and the FSDPFP8Warning messages."""
     recorder.take()
     losses, grads, calls = [], [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(STEPS):
             opt.zero_grad()
-            loss = _loss(run, local)
-            loss.backward()
-            losses.append(loss.detach())
+            value = loss()
+            value.backward()
+            losses.append(value.detach())
             grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
             opt.step()
             if fp8_gather:
                 graphpass.precompute_fsdp_fp8_scales(model)
             calls.append(recorder.take())
-    params = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return dict(losses=losses, grads=grads, params=params, calls=calls,
-                reports=_report_summary(backend.partitioner.reports),
-                wrapped=None if wrapped is None else (wrapped.fp8, wrapped.kept),
+    return dict(losses=losses, grads=grads, calls=calls,
+                params={n: p.full_tensor() for n, p in model.named_parameters()},
                 warnings=[str(w.message) for w in caught
-                          if issubclass(w.category, graphpass.FSDPFP8Warning)],
-                shapes={n: tuple(p.shape) for n, p in model.named_parameters()})
+                          if issubclass(w.category, graphpass.FSDPFP8Warning)])
 
 
 def main(argv: list[str]) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 
 T0 = time.monotonic()  # each process prints its times (in the test's failure output)
 
@@ -39,11 +38,10 @@ import torch.distributed as dist  # noqa: E402
 import graphpass  # noqa: E402
 from graphpass.models import _common, llama  # noqa: E402
 
-from _gloo_fsdp_fp8_worker import Recorder  # noqa: E402
+from _gloo_fsdp_fp8_worker import Recorder, train  # noqa: E402
 from _gloo_worker import BACKENDS, _report_summary  # noqa: E402
 
 DP, TP = 2, 2
-STEPS = 3
 LR = 2e-3  # the loss is a sum: a larger step diverges
 LAYERS = 1
 # FSDP2 shards this weight's TP shard on dim 1 (a shard_placement_fn), the others on dim 0
@@ -105,28 +103,10 @@ def _run(rank: int, recorder: Recorder, *, fp8_gather: bool) -> dict:
         graphpass.precompute_fsdp_fp8_scales(model)
     # data-parallel rank dp: batch row dp; tensor-parallel rank tp: sequence half tp
     local = [t[dp:dp + 1].chunk(TP, dim=1)[tp].contiguous() for t in (x, probe)]
-    recorder.take()
-    losses, grads, calls = [], [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(STEPS):
-            opt.zero_grad()
-            loss = _loss(model, local[0], cos, sin, local[1])
-            loss.backward()
-            losses.append(loss.detach())
-            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
-            opt.step()
-            if fp8_gather:
-                graphpass.precompute_fsdp_fp8_scales(model)
-            calls.append(recorder.take())
-            print(f"step fp8={fp8_gather}: {time.monotonic() - T0:.1f} s, cpu "
-                  f"{time.process_time():.1f} s", flush=True)
-    params = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return dict(losses=losses, grads=grads, params=params, calls=calls,
-                reports=_report_summary(backend.partitioner.reports),
+    trained = train(model, lambda: _loss(model, local[0], cos, sin, local[1]), opt, recorder,
+                    fp8_gather)
+    return dict(trained, reports=_report_summary(backend.partitioner.reports),
                 wrapped=None if wrapped is None else (wrapped.fp8, wrapped.kept),
-                warnings=[str(w.message) for w in caught
-                          if issubclass(w.category, graphpass.FSDPFP8Warning)],
                 local_shapes={n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
                 placements={n: str(p.placements) for n, p in model.named_parameters()})
 

@@ -44,6 +44,17 @@ def _run(out: Path) -> None:
                         for r in range(WORLD)}, out, TIMEOUT)
 
 
+def assert_same_bits(bf16: dict, fp8: dict, rank: int) -> None:
+    """One rank's run with bf16 gathers and with FP8 gathers: the same losses, gradients at every
+    step and parameters after the steps, bit for bit."""
+    assert all(torch.equal(a, b) for a, b in zip(bf16["losses"], fp8["losses"])), rank
+    for step, (a, b) in enumerate(zip(bf16["grads"], fp8["grads"])):
+        differ = [n for n in a if not torch.equal(a[n], b[n])]
+        assert not differ, (rank, step, differ)
+    differ = [n for n in bf16["params"] if not torch.equal(bf16["params"][n], fp8["params"][n])]
+    assert not differ, (rank, differ)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = once(tmp_path_factory, "gloo-fsdp-fp8", _run, timeout=3 * TIMEOUT)
@@ -60,12 +71,7 @@ def test_fsdp2_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks, whole
     weight gives."""
     for r, rank in enumerate(ranks):
         bf16, fp8 = rank[whole, False], rank[whole, True]
-        assert all(torch.equal(a, b) for a, b in zip(bf16["losses"], fp8["losses"])), r
-        for step, (a, b) in enumerate(zip(bf16["grads"], fp8["grads"])):
-            differ = [n for n in a if not torch.equal(a[n], b[n])]
-            assert not differ, (r, step, differ)
-        differ = [n for n in bf16["params"] if not torch.equal(bf16["params"][n], fp8["params"][n])]
-        assert not differ, (r, differ)
+        assert_same_bits(bf16, fp8, r)
         assert fp8["losses"][-1] < fp8["losses"][0] - 0.5  # it trains
         assert fp8["warnings"] == []  # the scales were reduced after each step: none stale
 
@@ -139,12 +145,7 @@ def test_fsdp2_blockwise_fp8_gathers_are_bit_identical_to_bf16_gathers(ranks):
     gather bf16 with a warning naming each, its shard rows and the block."""
     for r, rank in enumerate(ranks):
         bf16, fp8 = rank["blockwise", False], rank["blockwise", True]
-        assert all(torch.equal(a, b) for a, b in zip(bf16["losses"], fp8["losses"])), r
-        for step, (a, b) in enumerate(zip(bf16["grads"], fp8["grads"])):
-            differ = [n for n in a if not torch.equal(a[n], b[n])]
-            assert not differ, (r, step, differ)
-        differ = [n for n in bf16["params"] if not torch.equal(bf16["params"][n], fp8["params"][n])]
-        assert not differ, (r, differ)
+        assert_same_bits(bf16, fp8, r)
         assert fp8["losses"][-1] < fp8["losses"][0] - 0.5  # it trains
         assert sorted(fp8["warnings"]) == sorted(
             f"graphpass fsdp_fp8_weights: layers.{i}.self_attn.{m}.weight is all-gathered in "

@@ -24,6 +24,7 @@ import graphpass
 from graphpass.fp8.fsdp import FP8GatherShard
 
 from _session import launch, once
+from test_fsdp_fp8_gather import assert_same_bits
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -69,12 +70,7 @@ def test_fsdp2_tp_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks):
     ranks, _ = ranks
     for r, rank in enumerate(ranks):
         bf16, fp8 = rank[False], rank[True]
-        assert all(torch.equal(a, b) for a, b in zip(bf16["losses"], fp8["losses"])), r
-        for step, (a, b) in enumerate(zip(bf16["grads"], fp8["grads"])):
-            differ = [n for n in a if not torch.equal(a[n], b[n])]
-            assert not differ, (r, step, differ)
-        differ = [n for n in bf16["params"] if not torch.equal(bf16["params"][n], fp8["params"][n])]
-        assert not differ, (r, differ)
+        assert_same_bits(bf16, fp8, r)
         assert fp8["warnings"] == []  # the scales were reduced after each step: none stale
         assert set(fp8["wrapped"][0]) == {f"layers.0.{n}.weight" for n in LINEARS}
     # it trains: the summed loss (of the 4 ranks' rows and sequence halves) goes down
