@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 pytest_plugins = ["pytester"]
-# pytest's collection, not torch's: the same on every version (two subprocesses that import torch)
+# pytest's collection, not torch's: the same on every version
 pytestmark = pytest.mark.one_version
 
 CONFTEST = Path(__file__).with_name("conftest.py")
@@ -44,7 +44,8 @@ def _ids(pytester: pytest.Pytester, *args: str) -> list[str]:
     pytester.makeconftest(CONFTEST.read_text())
     pytester.makeini("[pytest]\nmarkers =\n    one_version: x\n    every_param: x\n")
     pytester.makepyfile(test_inner=INNER)
-    result = pytester.runpytest_subprocess("--collect-only", "-q", "-p", "no:xdist", *args)
+    # in-process: a subprocess per run imported torch again (25 s each on 2 busy cores)
+    result = pytester.runpytest_inprocess("--collect-only", "-q", "-p", "no:xdist", *args)
     return [line for line in result.outlines if "::" in line]
 
 
