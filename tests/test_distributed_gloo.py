@@ -65,7 +65,7 @@ def two_ranks(request) -> Path:
     wanted: set[str] = set()
     cases: list[str] = []  # test_estimate_fsdp's cases (``[name]``) among the selected tests
     for item in request.session.items:
-        module = Path(str(item.fspath)).stem
+        module = item.path.stem
         for (file, fixture), scenarios in TWO_RANK_SCENARIOS.items():
             if module == file and fixture in getattr(item, "fixturenames", ()):
                 wanted.update(scenarios)

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 WORKER = Path(__file__).with_name("_gloo_fsdp_tp_fp8_worker.py")
 # seconds for the 4 ranks: FSDP2+TP's two runs, SimpleFSDP+TP's two
 # (tests/test_simple_fsdp_tp_gloo.py) and the reference, imports and compiles included
-TIMEOUT = 540
+TIMEOUT = 600
 DP, TP = 2, 2
 OPTIONS = dict(fp8="tensorwise", kernels="reference", codegen="eager")
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -61,8 +61,18 @@ def _run(out: Path) -> None:
 
 def four_ranks(tmp_path_factory) -> Path:
     """The 4-rank run's directory, once per session: this file's and
-    tests/test_simple_fsdp_tp_gloo.py's tests read it."""
-    return once(tmp_path_factory, "gloo-4-ranks", _run, timeout=3 * TIMEOUT)
+    tests/test_simple_fsdp_tp_gloo.py's tests read it. A failed run fails each test that reads
+    it with its output, without running it again."""
+    def fill(out: Path) -> None:
+        try:
+            _run(out)
+        except pytest.fail.Exception as failure:
+            (out / "failed").write_text(str(failure))
+
+    out = once(tmp_path_factory, "gloo-4-ranks", fill, timeout=3 * TIMEOUT)
+    if (out / "failed").exists():
+        pytest.fail((out / "failed").read_text(), pytrace=False)
+    return out
 
 
 @pytest.fixture(scope="module")
