@@ -151,17 +151,25 @@ def measure(name: str, world: int) -> int:
     return snap["Total"]
 
 
-def main(argv: list[str]) -> None:
-    out, rank, world, store = argv[0], int(argv[1]), int(argv[2]), argv[3]
+def estimate(rank: int, world: int, out: str, cases) -> None:
+    """The peaks of ``cases`` on this rank of the initialized process group, written to
+    ``OUT_DIR/peaks-<rank>.pt``. It patches torch.distributed's collectives and torch's
+    ``ModTracker`` for good: the last thing a process runs (``tests/_gloo_worker.py`` runs it
+    after the other 2-rank scenarios it shares the processes with)."""
     torch.manual_seed(0)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     _without_gloo_scratch()
     _without_parameter_grad_hooks()
+    peaks = {name: measure(name, world) for name in (cases or CASES)}
+    torch.save(peaks, os.path.join(out, f"peaks-{rank}.pt"))
+
+
+def main(argv: list[str]) -> None:
+    out, rank, world, store = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        peaks = {name: measure(name, world) for name in (argv[4:] or CASES)}
+        estimate(rank, world, out, argv[4:])
     finally:
         dist.destroy_process_group()
-    torch.save(peaks, os.path.join(out, f"peaks-{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -44,9 +44,14 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, torch.dtype, int]] = []
         self._depth = 0
-        for name in _RECORDED:
-            if hasattr(dist, name):
-                setattr(dist, name, self._wrap(name, getattr(dist, name)))
+        self._wrapped = {name: getattr(dist, name) for name in _RECORDED if hasattr(dist, name)}
+        for name, fn in self._wrapped.items():
+            setattr(dist, name, self._wrap(name, fn))
+
+    def unwrap(self) -> None:
+        """torch.distributed's own functions back (a process that runs other scenarios after)."""
+        for name, fn in self._wrapped.items():
+            setattr(dist, name, fn)
 
     def _wrap(self, name, fn):
         def recorded(*args, **kwargs):
@@ -129,11 +134,10 @@ def train(model: torch.nn.Module, loss: Callable[[], torch.Tensor], opt: torch.o
                           if issubclass(w.category, graphpass.FSDPFP8Warning)])
 
 
-def main(argv: list[str]) -> None:
-    out, rank, world, store = argv[0], int(argv[1]), int(argv[2]), argv[3]
-    assert world == WORLD, world
-    torch.set_num_threads(1)  # the ranks sum in the same order
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def fsdp_fp8(rank: int, out: str) -> None:
+    """The runs on this rank of the initialized 2-rank process group (``tests/_gloo_worker.py``
+    calls it too, in the processes it shares between the 2-rank scenarios): writes
+    ``OUT_DIR/fsdp_fp8-<rank>.pt``."""
     recorder = Recorder()
     try:
         results = {(whole, fp8): _run(rank, recorder, fp8_gather=fp8, whole=whole)
@@ -142,7 +146,18 @@ def main(argv: list[str]) -> None:
         # with their tile scales, k and v (64-row shards) in bf16
         results.update({("blockwise", fp8): _run(rank, recorder, fp8_gather=fp8, whole=False,
                                                  recipe="blockwise") for fp8 in (False, True)})
-        torch.save(results, os.path.join(out, f"fsdp_fp8-{rank}.pt"))
+    finally:
+        recorder.unwrap()
+    torch.save(results, os.path.join(out, f"fsdp_fp8-{rank}.pt"))
+
+
+def main(argv: list[str]) -> None:
+    out, rank, world, store = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    assert world == WORLD, world
+    torch.set_num_threads(1)  # the ranks sum in the same order
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fsdp_fp8(rank, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,8 +1,14 @@
 """One process of ``tests/test_fsdp_tp_fp8_gather.py``: FSDP2 + tensor parallelism on a 2-D mesh
 with FSDP2's weight all-gathers in FP8.
 
-    python tests/_gloo_fsdp_tp_fp8_worker.py OUT_DIR RANK WORLD STORE    (4 ranks: dp=2 x tp=2)
-    python tests/_gloo_fsdp_tp_fp8_worker.py OUT_DIR ref                 (one process, unsharded)
+    python tests/_gloo_fsdp_tp_fp8_worker.py OUT_DIR RANK WORLD STORE [simple_fsdp_tp] [ref]
+                                                                  (4 ranks: dp=2 x tp=2)
+    python tests/_gloo_fsdp_tp_fp8_worker.py OUT_DIR ref          (one process, unsharded)
+
+``simple_fsdp_tp``: the same processes then run ``tests/_simple_fsdp_tp_worker.py``'s runs
+(SimpleFSDP over TP+SP on the same mesh shape), so both 4-rank tests share one start and import
+of 4 processes; ``ref``: the last rank then runs the one-process reference too (a process
+importing torch and graphpass costs about 14 s of CPU, the reference about 8).
 
 One tiny Llama block (``llama.build("tiny", layers=1)``, float32) made tensor- and
 sequence-parallel over the ``tp`` mesh dimension (``llama.parallelize``, torchtitan's plan), then
@@ -140,13 +146,21 @@ def main(argv: list[str]) -> None:
     if argv[1] == "ref":
         reference(out)
         return
-    rank, world, store = int(argv[1]), int(argv[2]), argv[3]
+    rank, world, store, also = int(argv[1]), int(argv[2]), argv[3], argv[4:]
     assert world == DP * TP, world
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     recorder = Recorder()
     try:
         results = {fp8: _run(rank, recorder, fp8_gather=fp8) for fp8 in (False, True)}
         torch.save(results, os.path.join(out, f"fsdp_tp-{rank}.pt"))
+        print(f"fsdp2+tp: {time.monotonic() - T0:.1f} s, cpu {time.process_time():.1f} s",
+              flush=True)
+        if "simple_fsdp_tp" in also:  # the same 4 processes: no second start and import
+            from _simple_fsdp_tp_worker import simple_fsdp_tp
+
+            simple_fsdp_tp(rank, out)
+        if rank == world - 1 and "ref" in also:  # the reference in a rank's process, not a 5th
+            reference(out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,12 +1,14 @@
 """One process of the multi-process tests in ``tests/test_distributed_gloo.py``.
 
-    python tests/_gloo_worker.py SCENARIO OUT_DIR [RANK WORLD STORE]
+    python tests/_gloo_worker.py SCENARIO[,SCENARIO...] OUT_DIR [RANK WORLD STORE]
 
 Each rank is its own process (spawned by the test with a hard timeout); ranks meet through a
 ``FileStore`` in the test's ``tmp_path`` (no port to pick) and talk over gloo on the CPU. Every
 rank writes what it measured to ``OUT_DIR/<scenario>-<rank>.pt``, the scenario's single-process
 reference (``<scenario>_ref``, no process group) to ``OUT_DIR/<scenario>_ref.pt``; the test
-compares.
+compares. Several scenarios run in the same processes one after the other (``main``), the 2-rank
+scenarios of the other gloo test files too (``fsdp_fp8``, ``simple_fsdp``, ``estimate``), and
+the references in the ranks' processes once their collectives are done.
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ import copy
 import os
 import sys
 import time
+
+T0 = time.monotonic()  # each process prints its times (in the test's failure output)
+
+if __name__ == "__main__" and sys.argv[1] == "hang":
+    # The harness's own test (tests/test_distributed_gloo.py): rank 1 says so and never joins;
+    # rank 0 imports torch.distributed alone and waits in the rendezvous until the harness
+    # kills both (neither needs graphpass: no 14 s import).
+    if sys.argv[3] == "1":
+        print("rank 1 never joins", flush=True)
+        time.sleep(3600)
+    import torch.distributed as dist
+
+    print("rank 0 waits for rank 1", flush=True)
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[5]}", rank=0, world_size=2)
+    sys.exit("rank 1 joined")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -250,21 +267,64 @@ def tp_ref(out: str) -> None:
 # --- entry point ----------------------------------------------------------------------------
 
 
+# The 2-rank scenarios of the other gloo test files: one launch runs every 2-rank scenario a
+# session needs in the same 2 processes (``tests/test_distributed_gloo.py``'s ``two_ranks``), as
+# a process's start and import of torch and graphpass costs about 14 s of CPU and its first
+# compile's imports a few more. ``estimate`` patches torch.distributed for good: it runs last.
+
+
+def fsdp_fp8(rank: int, out: str) -> None:
+    from _gloo_fsdp_fp8_worker import fsdp_fp8 as run
+
+    run(rank, out)
+
+
+def simple_fsdp(rank: int, out: str) -> None:
+    from _simple_fsdp_worker import simple_fsdp as run
+
+    run(rank, WORLD, out)
+
+
+def estimate(rank: int, out: str, cases: list[str]) -> None:
+    from _estimate_worker import estimate as run
+
+    run(rank, WORLD, out, cases)
+
+
+def _scenarios(rank: int, out: str, scenarios: list[str]) -> None:
+    """The collective scenarios in order; then the references (``<scenario>_ref``, one process
+    each: shared out between the ranks, which run them at once); ``estimate:CASE+CASE`` last."""
+    refs = [s for s in scenarios if s.endswith("_ref")]
+    last = [s for s in scenarios if s.startswith("estimate")]
+    for scenario in [s for s in scenarios if s not in refs and s not in last]:
+        globals()[scenario](rank, out)
+        print(f"{scenario}: {time.monotonic() - T0:.1f} s, cpu {time.process_time():.1f} s",
+              flush=True)
+    for scenario in refs[rank::WORLD]:
+        globals()[scenario](out)
+        print(f"{scenario}: {time.monotonic() - T0:.1f} s, cpu {time.process_time():.1f} s",
+              flush=True)
+    for scenario in last:
+        estimate(rank, out, [c for c in scenario.partition(":")[2].split("+") if c])
+        print(f"{scenario}: {time.monotonic() - T0:.1f} s, cpu {time.process_time():.1f} s",
+              flush=True)
+
+
 def main(argv: list[str]) -> None:
-    scenario, out = argv[0], argv[1]
+    """``SCENARIO`` may be a comma-separated list (``_scenarios``)."""
+    scenarios, out = argv[0].split(","), argv[1]
     # One thread in every process: the ranks and the reference then sum in the same order.
     torch.set_num_threads(1)
-    if scenario.endswith("_ref"):
-        globals()[scenario](out)
+    print(f"imported: {time.monotonic() - T0:.1f} s, cpu {time.process_time():.1f} s", flush=True)
+    if len(argv) == 2:  # a reference alone, no process group
+        for scenario in scenarios:
+            globals()[scenario](out)
         return
     rank, world, store = int(argv[2]), int(argv[3]), argv[4]
     assert world == WORLD, world
-    if scenario == "hang" and rank == 1:
-        print("rank 1 never joins", flush=True)
-        time.sleep(3600)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        globals()[scenario](rank, out)
+        _scenarios(rank, out, scenarios)
         dist.barrier()
     finally:
         dist.destroy_process_group()

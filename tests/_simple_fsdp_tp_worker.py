@@ -47,10 +47,22 @@ class Recorder(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True  # dynamo runs the compiled code under it
 
-    def __init__(self, groups: dict[str, str]) -> None:
+    def __init__(self, groups: dict[frozenset, str]) -> None:
         super().__init__()
-        self.groups = groups  # group name -> "dp" or "tp"
+        self.groups = groups  # the ranks of a group -> "dp" or "tp"
+        self.names: dict[str, str] = {}  # group name -> "dp" or "tp"
         self.calls: list[tuple[str, str, tuple, str, int, str]] = []
+
+    def _dim(self, group: str) -> str:
+        """The mesh dimension of a group, by its ranks (a process that built another mesh of
+        the same shape before, as tests/_gloo_fsdp_tp_fp8_worker.py's does, may have its DTensors
+        on that mesh's groups)."""
+        if group not in self.names:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            ranks = frozenset(dist.get_process_group_ranks(_resolve_process_group(group)))
+            self.names[group] = self.groups.get(ranks, group)
+        return self.names[group]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -59,7 +71,7 @@ class Recorder(TorchDispatchMode):
             x, group = args[0], args[-1]
             self.calls.append((name, str(x.dtype).removeprefix("torch."), tuple(x.shape),
                                str(out.dtype).removeprefix("torch."),
-                               out.numel() * out.element_size(), self.groups.get(group, group)))
+                               out.numel() * out.element_size(), self._dim(group)))
         return out
 
 
@@ -96,7 +108,8 @@ def _run(mesh, fp8_gather: bool) -> dict:
     # data-parallel rank dp: batch row dp; tensor-parallel rank tp: sequence half tp
     local = [t[dp:dp + 1].chunk(TP, dim=1)[tp].contiguous() for t in (x.detach(), probe)]
     local[0] = local[0].to(torch.bfloat16)  # SimpleFSDP does not cast the inputs
-    groups = {mesh[d].get_group().group_name: d for d in ("dp", "tp")}
+    groups = {frozenset(dist.get_process_group_ranks(mesh[d].get_group())): d
+              for d in ("dp", "tp")}
     opt = torch.optim.SGD(block.parameters(), lr=LR, foreach=True)
     losses, grads, calls = [], [], []
     for i in range(STEPS):
@@ -122,19 +135,25 @@ def _run(mesh, fp8_gather: bool) -> dict:
                 placements={n: str(p.placements) for n, p in block.named_parameters()})
 
 
+def simple_fsdp_tp(rank: int, out: str) -> None:
+    """Both runs on this rank of the initialized 4-rank process group (also called by
+    ``tests/_gloo_fsdp_tp_fp8_worker.py``, whose processes run these runs after FSDP2's):
+    writes ``OUT_DIR/simple_fsdp_tp-<rank>.pt``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    results = {name: _run(mesh, fp8) for name, fp8 in (("fp8", True), ("bf16", False))}
+    torch.save(results, os.path.join(out, f"simple_fsdp_tp-{rank}.pt"))
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)  # the ranks sum in the same order
     print(f"imported: {time.monotonic() - T0:.1f} s", flush=True)
     out, rank, world, store = argv[0], int(argv[1]), int(argv[2]), argv[3]
     assert world == DP * TP, world
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    # one mesh for both runs: the recorder names each collective's group by its mesh dimension
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     try:
-        results = {name: _run(mesh, fp8) for name, fp8 in (("fp8", True), ("bf16", False))}
-        torch.save(results, os.path.join(out, f"simple_fsdp_tp-{rank}.pt"))
+        simple_fsdp_tp(rank, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -136,18 +136,9 @@ RUNS = {"fp8": (True, False), "bf16": (False, False), "cached": (True, True),
 """(fp8_weight_all_gather, fp8_weight_cache, recipe) of each run."""
 
 
-CORE = ("fp8", "bf16")
-"""The runs of ``simple_fsdp_core``, CI's later torch versions' scenario (``--first-params``)."""
-
-
-def simple_fsdp(rank: int, world: int, out: str, runs: tuple[str, ...] = tuple(RUNS)) -> None:
-    results = {name: _run(rank, world, *RUNS[name]) for name in runs}
+def simple_fsdp(rank: int, world: int, out: str) -> None:
+    results = {name: _run(rank, world, *RUNS[name]) for name in RUNS}
     torch.save(results, os.path.join(out, f"simple_fsdp-{rank}.pt"))
-
-
-def simple_fsdp_core(rank: int, world: int, out: str) -> None:
-    """The tensorwise FP8 and bf16 gathers only (two compiles a rank instead of five)."""
-    simple_fsdp(rank, world, out, CORE)
 
 
 def main(argv: list[str]) -> None:

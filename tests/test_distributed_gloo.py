@@ -2,8 +2,9 @@
 
 FSDP2 (``fully_shard`` per block, each block compiled with graphpass) against the same model in
 one process, and a tensor- and sequence-parallel Llama block (torchtitan's plan) against the
-unsharded block. Each scenario is one run of ``tests/_gloo_worker.py``: both ranks and the
-one-process reference start together as subprocesses and are killed at ``TIMEOUT`` seconds, so a
+unsharded block. Both scenarios run in one launch of ``tests/_gloo_worker.py`` with the other
+gloo test files' 2-rank scenarios (``two_ranks``): both ranks start together as subprocesses, run
+the scenarios and then the one-process references, and are killed at the launch's limit, so a
 stuck collective fails the test with the processes' output instead of hanging CI.
 
 Exactness claimed and asserted: the FSDP2 ranks' losses, gradients and parameters after every
@@ -33,26 +34,77 @@ pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
 
 WORKER = Path(__file__).with_name("_gloo_worker.py")
-TIMEOUT = 240  # seconds for a whole scenario: both ranks and the reference, compiles included
+TIMEOUT = 240  # seconds for a scenario launched alone (``_run``), compiles included
 WORLD = 2
 STEPS = 3
-HANG_TIMEOUT = 30  # seconds for the harness's own test: rank 1 must import torch and say so
+# seconds for the harness's own test: rank 1 must start Python and say so (it imports nothing),
+# rank 0 import torch.distributed (not graphpass) and wait
+HANG_TIMEOUT = 20
 
 
-def _shared_run(scenario: str, tmp_path_factory) -> tuple[list[dict], dict]:
-    """One run of ``scenario`` per pytest session (``_session.once``): its ranks' and its
-    reference's results."""
-    out = once(tmp_path_factory, f"gloo-{scenario}", lambda out: _run(scenario, out),
-               timeout=3 * TIMEOUT)
+# The 2-rank scenarios of the gloo test files, by (test file, fixture): one launch runs those
+# the session's selected tests need, in this order, in the same 2 processes (a process's start
+# and import of torch and graphpass is about 14 s of CPU, its first compile's imports a few
+# more; ``_gloo_worker.py`` runs each reference in a rank's process after the collectives).
+TWO_RANK_SCENARIOS = {
+    ("test_distributed_gloo", "fsdp"): ("fsdp", "fsdp_ref"),
+    ("test_distributed_gloo", "tp"): ("tp", "tp_ref"),
+    ("test_fsdp_fp8_gather", "ranks"): ("fsdp_fp8",),
+    ("test_simple_fsdp_gloo", "ranks"): ("simple_fsdp",),
+    ("test_estimate_fsdp", "measured"): ("estimate",),
+}
+ORDER = ("fsdp", "tp", "fsdp_fp8", "simple_fsdp", "fsdp_ref", "tp_ref", "estimate")
+SCENARIO_TIMEOUT = 180  # seconds of the launch's limit for each collective scenario in it (the
+# launch of 4 took 580 s of wall time on a 2-core machine at load 30; about 90 s of CPU a rank)
+
+
+def two_ranks(request) -> Path:
+    """The directory of the session's one 2-rank launch (``_session.once``), which ran every
+    2-rank scenario the session's selected tests need (``TWO_RANK_SCENARIOS``); each test file's
+    fixture reads its own files. A failed launch fails every test that needs it, with its
+    output, without running it again."""
+    wanted: set[str] = set()
+    cases: list[str] = []  # test_estimate_fsdp's cases (``[name]``) among the selected tests
+    for item in request.session.items:
+        module = item.path.stem
+        for (file, fixture), scenarios in TWO_RANK_SCENARIOS.items():
+            if module == file and fixture in getattr(item, "fixturenames", ()):
+                wanted.update(scenarios)
+                if file == "test_estimate_fsdp" and "[" in item.name:
+                    cases.append(item.name.split("[", 1)[1].rstrip("]"))
+    scenarios = [s for s in ORDER if s in wanted]
+    if "estimate" in scenarios:
+        scenarios[-1] = "estimate:" + "+".join(dict.fromkeys(cases))
+    key = "gloo-2-ranks-" + "-".join(s.replace(":", "-").replace("+", "-") for s in scenarios)
+    collective = sum(not s.endswith("_ref") for s in scenarios)
+
+    def fill(out: Path) -> None:
+        try:
+            _run(",".join(scenarios), out, timeout=60 + SCENARIO_TIMEOUT * collective,
+                 reference=False)
+        except pytest.fail.Exception as failure:
+            (out / "failed").write_text(str(failure))
+
+    out = once(request.getfixturevalue("tmp_path_factory"), key, fill,
+               timeout=3 * (60 + SCENARIO_TIMEOUT * collective))
+    if (out / "failed").exists():
+        pytest.fail((out / "failed").read_text(), pytrace=False)
+    return out
+
+
+def _shared_run(scenario: str, request) -> tuple[list[dict], dict]:
+    """``scenario``'s ranks' and its reference's results, from the session's 2-rank launch."""
+    out = two_ranks(request)
     ranks = [torch.load(out / f"{scenario}-{r}.pt") for r in range(WORLD)]
     return ranks, torch.load(out / f"{scenario}_ref.pt")
 
 
 def _run(scenario: str, out: Path, timeout: float = TIMEOUT, reference: bool = True,
          worker: Path = WORKER) -> None:
-    """Both ranks of ``scenario`` and (``reference``) its one-process reference, at once, each
-    writing what it measured under ``out``; killed at ``timeout`` seconds. ``worker``: the
-    script each process runs (``worker SCENARIO OUT RANK WORLD STORE``)."""
+    """Both ranks of ``scenario`` (comma-separated scenarios: one after the other) and
+    (``reference``) its one-process reference, at once, each writing what it measured under
+    ``out``; killed at ``timeout`` seconds. ``worker``: the script each process runs (``worker
+    SCENARIO OUT RANK WORLD STORE``)."""
     commands = {f"rank {r}": [str(worker), scenario, str(out), str(r), str(WORLD),
                               str(out / "store")] for r in range(WORLD)}
     if reference:
@@ -61,20 +113,21 @@ def _run(scenario: str, out: Path, timeout: float = TIMEOUT, reference: bool = T
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
-    return _shared_run("fsdp", tmp_path_factory)
+def fsdp(request):
+    return _shared_run("fsdp", request)
 
 
 @pytest.fixture(scope="module")
-def tp(tmp_path_factory):
-    return _shared_run("tp", tmp_path_factory)
+def tp(request):
+    return _shared_run("tp", request)
 
 
-@pytest.mark.one_version  # the harness's timeout, 30 s of waiting
+@pytest.mark.one_version  # the harness's timeout, 20 s of waiting
 def test_a_stuck_collective_fails_at_the_timeout_with_each_process_output(tmp_path):
-    """Rank 1 never joins: rank 0 waits in the rendezvous until the harness kills both. The limit
-    leaves room for importing torch on a loaded CI machine (10 s did not, once: a CI run on 2.11
-    killed the processes before rank 1 had printed its line)."""
+    """Rank 1 never joins: rank 0 waits in the rendezvous until the harness kills both. Rank 1
+    prints its line before importing anything (it used to import torch and graphpass first,
+    which on a loaded CI machine took longer than the limit once, and 68 s of wall time on a
+    loaded 2-core machine: the processes were killed before rank 1 had printed its line)."""
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as failure:
         _run("hang", tmp_path / "hang", timeout=HANG_TIMEOUT, reference=False)

@@ -1,10 +1,9 @@
 """``graphpass.estimate`` of an FSDP2 model, one rank of two on torch's fake process group,
 against the peak torch's ``FSDPMemTracker`` measures over the same real step on two gloo ranks
-(``tests/_estimate_worker.py``: both ranks as subprocesses, killed at ``TIMEOUT`` seconds)."""
+(``tests/_estimate_worker.py``, run last in the 2-rank launch of tests/test_distributed_gloo.py:
+both ranks as subprocesses, killed at its limit)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,25 +15,20 @@ from graphpass.job.estimate import estimate
 from graphpass.job.result import Part
 
 import _estimate_worker as worker
-from _session import launch
+from test_distributed_gloo import two_ranks
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
 
-WORKER = Path(worker.__file__)
-TIMEOUT = 240  # seconds for both ranks, compiles included
 WORLD = 2
 TOLERANCE = 0.03
 
 
 @pytest.fixture(scope="module")
-def measured(request, tmp_path_factory) -> list[dict[str, int]]:
-    """Both ranks' measured peaks of the cases this session runs."""
-    cases = [n for n in worker.CASES if any(f"[{n}]" in item.name for item in request.session.items)]
-    out = tmp_path_factory.mktemp("estimate-fsdp")
-    launch("estimate_fsdp", {
-        f"rank {r}": [str(WORKER), str(out), str(r), str(WORLD), str(out / "store"), *cases]
-        for r in range(WORLD)}, out, TIMEOUT)
+def measured(request) -> list[dict[str, int]]:
+    """Both ranks' measured peaks of the cases this session runs, measured last in the session's
+    2-rank launch (``two_ranks``: the processes of the other gloo files' 2-rank scenarios)."""
+    out = two_ranks(request)
     return [torch.load(out / f"peaks-{r}.pt") for r in range(WORLD)]
 
 

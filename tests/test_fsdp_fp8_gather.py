@@ -1,8 +1,8 @@
 """FSDP2's weight all-gathers in FP8 (``graphpass.fsdp_fp8_weights``, ``fp8/fsdp.py``,
 ``passes/fsdp_fp8_weights.py``).
 
-On 2 gloo ranks (``tests/_gloo_fsdp_fp8_worker.py``, the harness of
-``tests/test_distributed_gloo.py``): the tiny Llama LM in float32 under
+On 2 gloo ranks (``tests/_gloo_fsdp_fp8_worker.py``, run in the 2-rank launch of
+``tests/test_distributed_gloo.py``, ``two_ranks``): the tiny Llama LM in float32 under
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, FP8 tensorwise, 3 SGD steps, per
 block and whole-model compile, with the weights all-gathered in bf16 and in FP8: the same bits,
 and the collectives each step ran, counted by a recorder around torch.distributed's calls. In one
@@ -14,8 +14,6 @@ gathered in FP8 with their tile scales, the others in bf16.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,22 +24,14 @@ from graphpass.distributed import FSDP_FP8_NOTE
 from graphpass.fp8 import recipes
 from graphpass.fp8.fsdp import FP8GatheredWeight, FP8GatherShard
 
-from _session import launch, once
+from test_distributed_gloo import two_ranks
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="needs torch.distributed with gloo")
 
-WORKER = Path(__file__).with_name("_gloo_fsdp_fp8_worker.py")
-TIMEOUT = 240  # seconds for both ranks, compiles included
 WORLD = 2
 OPTIONS = dict(fp8="tensorwise", kernels="reference", codegen="eager")
-
-
-def _run(out: Path) -> None:
-    """Both ranks at once, killed at TIMEOUT (each process's last lines in the failure)."""
-    launch("fsdp_fp8", {f"rank {r}": [str(WORKER), str(out), str(r), str(WORLD), str(out / "store")]
-                        for r in range(WORLD)}, out, TIMEOUT)
 
 
 def assert_same_bits(bf16: dict, fp8: dict, rank: int) -> None:
@@ -56,8 +46,10 @@ def assert_same_bits(bf16: dict, fp8: dict, rank: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = once(tmp_path_factory, "gloo-fsdp-fp8", _run, timeout=3 * TIMEOUT)
+def ranks(request):
+    """The runs of ``tests/_gloo_fsdp_fp8_worker.py``, made in the session's 2-rank launch
+    (``two_ranks``: the same 2 processes as the other gloo files' 2-rank scenarios)."""
+    out = two_ranks(request)
     return [torch.load(out / f"fsdp_fp8-{r}.pt") for r in range(WORLD)]
 
 

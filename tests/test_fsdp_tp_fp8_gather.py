@@ -1,8 +1,9 @@
 """FSDP2 + tensor parallelism on a 2-D mesh, with FSDP2's weight all-gathers in FP8
 (``graphpass.fsdp_fp8_weights`` on tensor-parallel weights, ``fp8/fsdp.py``).
 
-On 4 gloo ranks (dp=2 x tp=2, ``tests/_gloo_fsdp_tp_fp8_worker.py``) and one reference process,
-all started at once and killed at ``TIMEOUT``: a tiny Llama block made tensor- and
+On 4 gloo ranks (dp=2 x tp=2, ``tests/_gloo_fsdp_tp_fp8_worker.py``), all started at once and
+killed at ``TIMEOUT`` (the same processes run tests/test_simple_fsdp_tp_gloo.py's runs and, on
+the last rank, the one-process reference): a tiny Llama block made tensor- and
 sequence-parallel (torchtitan's plan), ``fully_shard`` on the data-parallel mesh dimension, FP8
 tensorwise, 3 SGD steps, the weights all-gathered in bf16 and in FP8: the same bits, half the
 gathered bytes, and the unsharded block within FP8's reach. In one process (torch's fake process
@@ -31,35 +32,60 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with gloo")
 
 WORKER = Path(__file__).with_name("_gloo_fsdp_tp_fp8_worker.py")
-TIMEOUT = 300  # seconds for the 4 ranks and the reference, compiles included
+# seconds for the 4 ranks: FSDP2+TP's two runs, SimpleFSDP+TP's two
+# (tests/test_simple_fsdp_tp_gloo.py) and the reference, imports and compiles included
+TIMEOUT = 600
 DP, TP = 2, 2
 OPTIONS = dict(fp8="tensorwise", kernels="reference", codegen="eager")
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
+def _simple_fsdp() -> bool:
+    try:
+        import torchtitan.experiments.graph_trainer.simple_fsdp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _run(out: Path) -> None:
-    """The 4 ranks and the reference at once, killed at TIMEOUT (each one's last lines in the
-    failure)."""
-    commands = {f"rank {r}": [str(WORKER), str(out), str(r), str(DP * TP), str(out / "store")]
-                for r in range(DP * TP)}
-    commands["ref"] = [str(WORKER), str(out), "ref"]
-    launch("fsdp_tp", commands, out, TIMEOUT)
+    """The 4 ranks at once, killed at TIMEOUT (each one's last lines in the failure): FSDP2+TP,
+    then SimpleFSDP+TP (where torchtitan is installed) in the same processes, the last rank
+    running the one-process reference too."""
+    also = (["simple_fsdp_tp"] if _simple_fsdp() else []) + ["ref"]
+    launch("fsdp_tp", {f"rank {r}": [str(WORKER), str(out), str(r), str(DP * TP),
+                                     str(out / "store"), *also]
+                       for r in range(DP * TP)}, out, TIMEOUT)
+
+
+def four_ranks(tmp_path_factory) -> Path:
+    """The 4-rank run's directory, once per session: this file's and
+    tests/test_simple_fsdp_tp_gloo.py's tests read it. A failed run fails each test that reads
+    it with its output, without running it again."""
+    def fill(out: Path) -> None:
+        try:
+            _run(out)
+        except pytest.fail.Exception as failure:
+            (out / "failed").write_text(str(failure))
+
+    out = once(tmp_path_factory, "gloo-4-ranks", fill, timeout=3 * TIMEOUT)
+    if (out / "failed").exists():
+        pytest.fail((out / "failed").read_text(), pytrace=False)
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = once(tmp_path_factory, "gloo-fsdp-tp-fp8", _run, timeout=3 * TIMEOUT)
+    out = four_ranks(tmp_path_factory)
     return ([torch.load(out / f"fsdp_tp-{r}.pt") for r in range(DP * TP)],
             torch.load(out / "fsdp_tp_ref.pt"))
 
 
-# The 4-process run costs minutes on a loaded 2-core machine (5 processes importing torch and
-# compiling), so its tests are one_version; covered on every version by the 2-rank FSDP2 FP8
-# gathers (tests/test_fsdp_fp8_gather.py) and this file's one-process tests.
+# The 4-process run is shared with tests/test_simple_fsdp_tp_gloo.py (one start and import of
+# 4 processes for both), and runs on every torch version CI tests (issue 51).
 
 
-@pytest.mark.one_version  # the 4-process run (the comment above)
 def test_fsdp2_tp_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks):
     """On each of the 4 ranks: losses and gradients (``full_tensor()``) at every step and the
     parameters after 3 steps are the same bits with the weights all-gathered in FP8 as in bf16.
@@ -82,7 +108,6 @@ def test_fsdp2_tp_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks):
     assert placements["layers.0.self_attn.q_proj.weight"] == "(Shard(dim=1), Shard(dim=0))"
 
 
-@pytest.mark.one_version  # the 4-process run
 def test_fsdp2_tp_fp8_weight_gathers_halve_the_lowered_weights_bytes(ranks):
     """Counted from the collectives each step ran: the block's all-gather (once before the
     forward, once before the backward) moves 1 byte per element of its 7 TP-local linear
@@ -110,7 +135,6 @@ def test_fsdp2_tp_fp8_weight_gathers_halve_the_lowered_weights_bytes(ranks):
             assert scatters[0] == scatters[1] and scatters[0]
 
 
-@pytest.mark.one_version  # the 4-process run
 def test_fsdp2_tp_rank_report_lists_each_tp_local_weight_gather(ranks):
     """Each rank's report: one ``weight all-gather:`` note per weight FSDP2 gathers for the
     block, with the TP-local shape (what this rank receives) and its bytes: the 7 linears in
@@ -147,7 +171,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.one_version  # the 4-process run
 def test_fsdp2_tp_fp8_matches_the_unsharded_fp8_block_within_bounds(ranks):
     """Against one process running the unsharded block in bf16, compiled with the same
     backend, on the whole batch: the step-0 loss and gradients within FP8's reach (they differ
@@ -250,8 +273,8 @@ def test_tp_layouts_the_fp8_gather_does_not_take_and_a_wrong_order_are_said(mesh
 
 
 def test_the_gathered_weight_comes_back_in_place_for_any_fsdp_shard_dim():
-    """``fsdp_post_all_gather`` on the buffers FSDP2 hands it (every version; the 4-rank run
-    above covers it end to end on one): FSDP2 views the gathered bytes as (-1, *shard.shape[1:]).
+    """``fsdp_post_all_gather`` on the buffers FSDP2 hands it (the 4-rank run above covers it
+    end to end): FSDP2 views the gathered bytes as (-1, *shard.shape[1:]).
     A dim-0 shard's padding rows are at the end; a dim-1 shard (a shard_placement_fn's) is
     copied back into place by FSDP2 before the view. Either way the weight is the first numel
     elements, in FP8 and in the high-precision fallback; a dim-1 shard is not padded."""

@@ -1,6 +1,6 @@
 """torchtitan's SimpleFSDP under graphpass FP8 on two gloo ranks (``tests/_simple_fsdp_worker.py``,
-through the harness of ``tests/test_distributed_gloo.py``: both ranks start as subprocesses and
-are killed at its timeout).
+run by the 2-rank launch of ``tests/test_distributed_gloo.py``, ``two_ranks``: the processes of
+the other gloo files' 2-rank scenarios, started as subprocesses and killed at its limit).
 
 The tiny Llama LM (1 block, fp32 parameters, torchtitan's mixed-precision policy: bf16 compute,
 fp32 gradient reduction) under ``data_parallel(mode="fully_shard")``, compiled whole with graphpass
@@ -12,20 +12,16 @@ weight's gather moving half the bytes after one amax all-reduce (with the cache:
 optimizer step, on its first micro-batch), the other gathers and the gradients' reduce-scatters
 unchanged. The same under FP8 blockwise (16 sequences: 128 tokens a rank and micro-batch): the
 weights whose shards are whole 128-row tiles gathered as FP8 bytes and tile scales, the others
-in bf16, the same bits. CI's later torch versions (``--first-params``) run the tensorwise FP8
-and bf16 gathers only, and skip the tests of the other runs.
+in bf16, the same bits. Every run, on every torch version CI tests.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _session import once
-from test_distributed_gloo import TIMEOUT, WORLD, _run
+from test_distributed_gloo import WORLD, two_ranks
 
 pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 pytestmark = [
@@ -33,7 +29,6 @@ pytestmark = [
                        reason="needs torch.distributed with gloo"),
 ]
 
-WORKER = Path(__file__).with_name("_simple_fsdp_worker.py")
 STEPS = 3
 MICRO = 2  # micro-batches per optimizer step
 # this rank's shard of each lowered weight (the tiny Llama's q, k, v, o, gate, up, down)
@@ -42,22 +37,11 @@ LINEAR_SHARDS = sorted([(128, 256), (64, 256), (64, 256), (128, 256), (256, 256)
 
 
 @pytest.fixture(scope="module")
-def ranks(request, tmp_path_factory):
-    """Every run on CI's first torch version and under ``make test`` (2 ranks x 5 compiles, 2-3
-    minutes on 2 cores); the tensorwise FP8 and bf16 gathers alone under ``--first-params``
-    (CI's later versions, 2 compiles a rank), whose tests of the other runs skip."""
-    scenario = "simple_fsdp_core" if request.config.getoption("--first-params") else "simple_fsdp"
-    out = once(tmp_path_factory, f"gloo-{scenario}",
-               lambda out: _run(scenario, out, reference=False, worker=WORKER),
-               timeout=3 * TIMEOUT)
+def ranks(request):
+    """Every run (2 ranks x 5 compiles), on every torch version CI tests, in the session's 2-rank
+    launch (``two_ranks``: the same 2 processes as the other gloo files' 2-rank scenarios)."""
+    out = two_ranks(request)
     return [torch.load(out / f"simple_fsdp-{r}.pt") for r in range(WORLD)]
-
-
-def _runs(ranks: list, *names: str) -> None:
-    """Skip a test whose runs the scenario left out (``--first-params``: the core runs)."""
-    missing = [n for n in names if n not in ranks[0]]
-    if missing:
-        pytest.skip(f"runs {missing} are in the full scenario (CI's first torch version, make test)")
 
 
 def _equal(a: dict, b: dict) -> list[str]:
@@ -66,11 +50,11 @@ def _equal(a: dict, b: dict) -> list[str]:
 
 
 def test_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks):
-    """The FP8 gathers, cached (in the full scenario) or not, against bf16 gathers: every
-    micro-batch's loss, every step's accumulated gradients, the parameters after the steps."""
+    """The FP8 gathers, cached or not, against bf16 gathers: every micro-batch's loss, every
+    step's accumulated gradients, the parameters after the steps."""
     for r, rank in enumerate(ranks):
         off = rank["bf16"]
-        for on in [rank[n] for n in ("fp8", "cached") if n in rank]:
+        for on in (rank["fp8"], rank["cached"]):
             for i in range(STEPS * MICRO):
                 assert torch.equal(on["losses"][i], off["losses"][i]), (r, i)
             for step in range(STEPS):
@@ -122,7 +106,6 @@ def test_the_weight_cache_reduces_and_quantizes_once_per_step(ranks):
     gathers the same FP8 bytes as the uncached run, and reduce-scatters the same. The report
     names the cache and its 7 shards; the step peak holds them (1 byte an element, and a
     scale)."""
-    _runs(ranks, "cached")
     shards = sum(n * k for n, k in LINEAR_SHARDS)
     for rank in ranks:
         cached, fp8 = rank["cached"], rank["fp8"]
@@ -157,7 +140,7 @@ def test_the_report_lists_what_the_step_gathered(ranks):
     """Each rank's report: the 7 FP8 all-gather notes, the one all-reduce, and per weight the
     gathered bytes, which sum to what the recorder counted."""
     for rank in ranks:
-        for run in [n for n in ("fp8", "bf16", "cached") if n in rank]:
+        for run in ("fp8", "bf16", "cached"):
             notes = rank[run]["notes"]
             weights = [n for n in notes if n.startswith("weight all-gather: ")]
             assert len(weights) == 12
@@ -184,7 +167,6 @@ def test_blockwise_fp8_weight_gathers_are_bit_identical_to_bf16_gathers(ranks):
     """FP8 blockwise: q, o, gate, up and down (shards of 128 or 256 rows) gathered as FP8 bytes
     and tile scales, k and v (64-row shards) in bf16: losses, gradients and parameters are the
     bits of gathering every weight in bf16 and quantizing after."""
-    _runs(ranks, "blockwise", "blockwise_bf16")
     for r, rank in enumerate(ranks):
         on, off = rank["blockwise"], rank["blockwise_bf16"]
         for i in range(STEPS * MICRO):
@@ -200,7 +182,6 @@ def test_blockwise_fp8_weight_gathers_move_bytes_and_tile_scales(ranks):
     """Counted from the collectives the compiled steps called: each aligned weight's bf16
     gather becomes a uint8 gather of its bytes and a float32 gather of its tile scales; k, v and
     the other weights gather as before; no all-reduce. The report's notes sum to the bytes."""
-    _runs(ranks, "blockwise", "blockwise_bf16")
     for rank in ranks:
         for step, m in ((1, 0), (1, 1), (2, 0), (2, 1)):
             on, off = rank["blockwise"]["calls"][step][m], rank["blockwise_bf16"]["calls"][step][m]

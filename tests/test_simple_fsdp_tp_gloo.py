@@ -1,6 +1,7 @@
 """torchtitan's SimpleFSDP over tensor and sequence parallelism on a (dp=2, tp=2) mesh of 4 gloo
-ranks, trained under graphpass FP8 (``tests/_simple_fsdp_tp_worker.py``; the 4 ranks start as
-subprocesses and are killed at ``TIMEOUT``).
+ranks, trained under graphpass FP8 (``tests/_simple_fsdp_tp_worker.py``, run by the 4 processes of
+``tests/test_fsdp_tp_fp8_gather.py``, which start as subprocesses and are killed at its
+``TIMEOUT``).
 
 A tiny Llama block (float32 parameters, bf16 compute, fp32 gradient reduction) under torchtitan's
 TP+SP plan on ``tp`` and ``data_parallel(mode="fully_shard")`` on ``dp``, compiled whole with
@@ -14,26 +15,18 @@ the reduce-scatters) unchanged; the loss falls.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from _session import launch, once
+from test_fsdp_tp_fp8_gather import four_ranks
 
 pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 pytestmark = [
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                        reason="needs torch.distributed with gloo"),
-    # 4 ranks x 2 compiles, about 1.5 minutes on 2 cores; tests/test_simple_fsdp.py's
-    # test_simple_fsdp_with_tensor_parallelism_on_a_2d_mesh plans the same block on the same
-    # mesh (fake process group) on every torch version
-    pytest.mark.one_version,
 ]
 
-WORKER = Path(__file__).with_name("_simple_fsdp_tp_worker.py")
-TIMEOUT = 360  # seconds for the 4 ranks, imports and compiles included
 DP, TP = 2, 2
 STEPS = 3
 # this rank's dp shard of each lowered weight's TP shard (q, k, v, o, gate, up, down)
@@ -41,16 +34,12 @@ LINEAR_SHARDS = sorted([(64, 256), (32, 256), (32, 256), (128, 128), (128, 256),
                         (128, 256)])
 
 
-def _run(out: Path) -> None:
-    """The 4 ranks at once, killed at TIMEOUT (each one's last lines in the failure)."""
-    launch("simple_fsdp_tp", {
-        f"rank {r}": [str(WORKER), str(out), str(r), str(DP * TP), str(out / "store")]
-        for r in range(DP * TP)}, out, TIMEOUT)
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = once(tmp_path_factory, "gloo-simple-fsdp-tp", _run, timeout=3 * TIMEOUT)
+    """The runs of ``tests/_simple_fsdp_tp_worker.py``, made by the 4 processes of
+    tests/test_fsdp_tp_fp8_gather.py's run (after its FSDP2+TP runs: one start and import of
+    4 processes for both files, on every torch version)."""
+    out = four_ranks(tmp_path_factory)
     return [torch.load(out / f"simple_fsdp_tp-{r}.pt") for r in range(DP * TP)]
 
 
