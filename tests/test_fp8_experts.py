@@ -198,26 +198,33 @@ def _emulated_groups(x, w_kn, grad_y, offs, recipe):
 
 
 @pytest.mark.parametrize("fn", GROUPED_MM)
-@pytest.mark.parametrize("offsets", OFFSETS)
 @pytest.mark.parametrize("stored_kn", [True, False], ids=["EKN", "ENK"])
 @pytest.mark.parametrize("recipe", WITH_E4M3)
-def test_token_grouped_experts_are_exactly_the_recipe(recipe, stored_kn, offsets, fn):
+def test_token_grouped_experts_are_exactly_the_recipe(recipe, stored_kn, fn):
+    """Each case of OFFSETS through one compile (the offsets are data: a recompile would raise),
+    each with the data it had as a test of its own (the same seed)."""
     torch.manual_seed(0)
     experts = TokenGroupedExperts(stored_kn, GROUPED_MM[fn])
-    offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32)
-    x, grad_y = torch.randn(T, K, dtype=torch.bfloat16), torch.randn(T, N, dtype=torch.bfloat16)
+    data_seed = torch.get_rng_state()
     compiled = torch.compile(experts, backend=graphpass.backend(codegen="eager", **_fp8(recipe),
                                                                  kernels="reference"))
-    xx = x.clone().requires_grad_()
-    y = compiled(xx, offs)
-    y.backward(grad_y)
-    w = experts.weight.detach()
-    w_kn = w if stored_kn else w.transpose(-2, -1)
-    ref_y, ref_dx, ref_dw = _emulated_groups(x, w_kn, grad_y, OFFSETS[offsets], recipe)
-    # the weight's columnwise qdq (ENK) is the transpose of the rowwise qdq of W.T (EKN)
-    assert torch.equal(y, ref_y)
-    assert torch.equal(xx.grad, ref_dx)
-    assert torch.equal(experts.weight.grad, ref_dw if stored_kn else ref_dw.transpose(-2, -1))
+    for i, offsets in enumerate(OFFSETS):
+        torch.set_rng_state(data_seed)
+        experts.weight.grad = None
+        offs = torch.tensor(OFFSETS[offsets], dtype=torch.int32)
+        x, grad_y = torch.randn(T, K, dtype=torch.bfloat16), torch.randn(T, N, dtype=torch.bfloat16)
+        xx = x.clone().requires_grad_()
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            y = compiled(xx, offs)
+            y.backward(grad_y)
+        w = experts.weight.detach()
+        w_kn = w if stored_kn else w.transpose(-2, -1)
+        ref_y, ref_dx, ref_dw = _emulated_groups(x, w_kn, grad_y, OFFSETS[offsets], recipe)
+        # the weight's columnwise qdq (ENK) is the transpose of the rowwise qdq of W.T (EKN)
+        assert torch.equal(y, ref_y), offsets
+        assert torch.equal(xx.grad, ref_dx), offsets
+        assert torch.equal(experts.weight.grad, ref_dw if stored_kn else ref_dw.transpose(-2, -1)), \
+            offsets
     report = graphpass.last_report()
     assert [n for n in report.notes if "lowered" in n] == [f"lowered: <root> (reference/{recipe})"]
     flops = 2 * T * K * N

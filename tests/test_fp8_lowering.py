@@ -679,9 +679,16 @@ def test_mxfp8_stays_one_op_under_the_users_post_grad_pass():
     from graphpass.fp8.inductor import fusion_notes
 
     seen = []
-    model, inputs = llama.build("tiny", layers=1, seq=64)
+    # two lowered linears with an activation between (64 tokens: whole 32-blocks): the same
+    # quantize and GEMM ops in the forward and backward graphs as a Llama layer's linears, in
+    # a compile of a few C++ kernels instead of the layer's dozens
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    inputs = [torch.randn(64, 256)]
     with inductor_config.patch(post_grad_custom_pre_pass=_count_quantizes(seen)):
         _, code = _inductor_step(model, inputs, fp8="mxfp8")
+    assert _lowering(graphpass.last_report().notes) == [
+        "lowered: 0 (reference/mxfp8)", "lowered: 2 (reference/mxfp8)"]
     assert "graphpass.quantize" in code
     assert len(seen) == 2 and all(seen)
     assert [n for n in graphpass.last_report().notes if n.startswith("fuse_quantize")] == [
