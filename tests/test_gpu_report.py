@@ -71,6 +71,23 @@ def test_dry_run_writes_every_section(tmp_path):
     assert "would pass; CPU numbers, not judged): memory_budget 95%: the measured peak fits" in targets
 
 
+def test_step_ms_times_each_call_once(monkeypatch):
+    """The benchmarks' step timer calls the step once per timed step (torch's ``Timer.timeit``
+    ran two untimed calls before each: three steps for each one measured), reads the clock
+    around each call, and gives the median in milliseconds."""
+    harness = load("_harness")
+    now = [0.0]
+    monkeypatch.setattr(harness, "clock", lambda: now[0])
+    calls = []
+
+    def step():
+        calls.append(None)
+        now[0] += 0.002 * len(calls)  # steps of 2, 4 and 6 ms
+
+    assert harness.step_ms(step, 3) == pytest.approx(4.0)
+    assert len(calls) == 3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_without_cuda_the_gpu_run_names_the_dry_run():
     gpu_report = _load()
