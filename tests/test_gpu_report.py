@@ -259,26 +259,21 @@ def test_the_sweeps_fastest_tiles_run_the_experts_benchmark(tmp_path, monkeypatc
         experts.use_tiles(path)
 
 
-# a subprocess with its own 1-rank process group, about 30 s; FSDP2's FP8 gathers themselves
-# are tested on every torch version (tests/test_fsdp_fp8_gather.py)
+# its own 1-rank gloo process group in this process (as tests/test_fsdp_fp8_gather.py's
+# one-process tests make one), destroyed when the script ends: a subprocess would pay torch's
+# import again; FSDP2's FP8 gathers themselves are tested on every torch version
+# (tests/test_fsdp_fp8_gather.py)
 @pytest.mark.one_version
 def test_fsdp_fp8_gather_benchmark_dry_run(tmp_path):
     """benchmarks/fsdp_fp8_gather.py (issue 51's GPU check: FSDP2 on one rank, FP8 against bf16
     weight gathers): both configs time their steps, the losses are equal (bit-identical
     gathers), and the 2% target is judged, as a dry run."""
-    import os
-    import subprocess
-    import sys
-
-    from _benchmarks import ROOT
+    import torch.distributed as dist
 
     out = tmp_path / "fsdp.md"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fsdp_fp8_gather.py"), "--dry-run", "--layers",
-         "1", "--steps", "1", "--out", str(out)],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), capture_output=True,
-        text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert load("fsdp_fp8_gather").main(["--dry-run", "--layers", "1", "--steps", "1",
+                                         "--out", str(out)]) == 0
+    assert not dist.is_initialized()  # the script's process group is gone
     text = out.read_text()
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| (FSDP2[^|]+?) \|.*$", text, re.M)}
     assert len(rows) == 2, text
