@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch._inductor.config
+from torch.utils.benchmark.utils.common import set_torch_threads
 from torch.utils.benchmark.utils.timer import timer as clock
 
 WARMUP = 3
@@ -92,12 +93,14 @@ def step_ms(step: Callable[[], None], steps: int) -> float:
     benchmark clock (``torch.utils.benchmark``'s ``timer``: it synchronizes the accelerator before
     each reading, so a CUDA step is timed to its end). ``step`` runs ``steps`` times, no more: the
     callers warm up first, where ``Timer.timeit(1)`` would run two untimed calls before each timed
-    one (three steps for each one measured)."""
+    one (three steps for each one measured). As under ``Timer``, the steps run on one intra-op
+    thread."""
     times = []
-    for _ in range(steps):
-        start = clock()
-        step()
-        times.append(clock() - start)
+    with set_torch_threads(1):
+        for _ in range(steps):
+            start = clock()
+            step()
+            times.append(clock() - start)
     return statistics.median(times) * 1e3
 
 
