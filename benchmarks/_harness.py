@@ -1,7 +1,7 @@
 """Timing and memory measurement of one training step, shared by step_time.py and gpu_report.py.
 
 A step is forward + backward of a compiled model with gradients set to None first, as a training
-step after ``zero_grad`` does. It is timed with ``torch.utils.benchmark.Timer`` (the wall clock,
+step after ``zero_grad`` does. It is timed on ``torch.utils.benchmark``'s clock (the wall clock,
 the accelerator synchronized before each reading); on CUDA its memory is read from the caching
 allocator's counters, on CPU memory is not measured (torch keeps no allocator statistics for CPU
 tensors).
@@ -16,7 +16,8 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch._inductor.config
-import torch.utils.benchmark as benchmark
+from torch.utils.benchmark.utils.common import set_torch_threads
+from torch.utils.benchmark.utils.timer import timer as clock
 
 WARMUP = 3
 
@@ -88,10 +89,19 @@ def is_gemm(kernel: str) -> bool:
 
 
 def step_ms(step: Callable[[], None], steps: int) -> float:
-    """Median milliseconds of one call of ``step`` over ``steps`` calls, timed by torch's benchmark
-    timer (it synchronizes the accelerator around each, so a CUDA step is timed to its end)."""
-    timer = benchmark.Timer(stmt="step()", globals={"step": step})
-    return statistics.median(timer.timeit(1).median for _ in range(steps)) * 1e3
+    """Median milliseconds of one call of ``step`` over ``steps`` calls, each read on torch's
+    benchmark clock (``torch.utils.benchmark``'s ``timer``: it synchronizes the accelerator before
+    each reading, so a CUDA step is timed to its end). ``step`` runs ``steps`` times, no more: the
+    callers warm up first, where ``Timer.timeit(1)`` would run two untimed calls before each timed
+    one (three steps for each one measured). As under ``Timer``, the steps run on one intra-op
+    thread."""
+    times = []
+    with set_torch_threads(1):
+        for _ in range(steps):
+            start = clock()
+            step()
+            times.append(clock() - start)
+    return statistics.median(times) * 1e3
 
 
 def measure(result: Result, model: torch.nn.Module, inputs: Sequence[torch.Tensor],

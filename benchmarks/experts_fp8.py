@@ -283,7 +283,7 @@ def _accumulating(result: Result, model: torch.nn.Module, inputs: tuple[torch.Te
     the note gives the weight quantizes per optimizer step the cache counted."""
     params = list(model.parameters())
     grad: list[torch.Tensor] = []
-    calls = [0]  # optimizer steps run (the timer runs warm-up calls of its own)
+    calls = [0]  # optimizer steps run after the warm-up
 
     def step() -> None:
         calls[0] += 1

@@ -71,6 +71,23 @@ def test_dry_run_writes_every_section(tmp_path):
     assert "would pass; CPU numbers, not judged): memory_budget 95%: the measured peak fits" in targets
 
 
+def test_step_ms_times_each_call_once(monkeypatch):
+    """The benchmarks' step timer calls the step once per timed step (torch's ``Timer.timeit``
+    ran two untimed calls before each: three steps for each one measured), reads the clock
+    around each call, and gives the median in milliseconds."""
+    harness = load("_harness")
+    now = [0.0]
+    monkeypatch.setattr(harness, "clock", lambda: now[0])
+    calls = []
+
+    def step():
+        calls.append(None)
+        now[0] += 0.002 * len(calls)  # steps of 2, 4 and 6 ms
+
+    assert harness.step_ms(step, 3) == pytest.approx(4.0)
+    assert len(calls) == 3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_without_cuda_the_gpu_run_names_the_dry_run():
     gpu_report = _load()
@@ -242,26 +259,21 @@ def test_the_sweeps_fastest_tiles_run_the_experts_benchmark(tmp_path, monkeypatc
         experts.use_tiles(path)
 
 
-# a subprocess with its own 1-rank process group, about 30 s; FSDP2's FP8 gathers themselves
-# are tested on every torch version (tests/test_fsdp_fp8_gather.py)
+# its own 1-rank gloo process group in this process (as tests/test_fsdp_fp8_gather.py's
+# one-process tests make one), destroyed when the script ends: a subprocess would pay torch's
+# import again; FSDP2's FP8 gathers themselves are tested on every torch version
+# (tests/test_fsdp_fp8_gather.py)
 @pytest.mark.one_version
 def test_fsdp_fp8_gather_benchmark_dry_run(tmp_path):
     """benchmarks/fsdp_fp8_gather.py (issue 51's GPU check: FSDP2 on one rank, FP8 against bf16
     weight gathers): both configs time their steps, the losses are equal (bit-identical
     gathers), and the 2% target is judged, as a dry run."""
-    import os
-    import subprocess
-    import sys
-
-    from _benchmarks import ROOT
+    import torch.distributed as dist
 
     out = tmp_path / "fsdp.md"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fsdp_fp8_gather.py"), "--dry-run", "--layers",
-         "1", "--steps", "1", "--out", str(out)],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), capture_output=True,
-        text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert load("fsdp_fp8_gather").main(["--dry-run", "--layers", "1", "--steps", "1",
+                                         "--out", str(out)]) == 0
+    assert not dist.is_initialized()  # the script's process group is gone
     text = out.read_text()
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| (FSDP2[^|]+?) \|.*$", text, re.M)}
     assert len(rows) == 2, text
