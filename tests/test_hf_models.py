@@ -1,7 +1,7 @@
 """Tiny random-config Hugging Face models (no downloads) compiled with FP8: every GEMM lowered
 or noted, FP8 coverage, and loss and gradients close to eager."""
 
-import importlib
+import dataclasses
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ import graphpass
 
 transformers = pytest.importorskip("transformers")
 
+from _one_trace import OneTrace  # noqa: E402
 from test_fp8_coverage import assert_no_silent_gemm  # noqa: E402
 
 VOCAB, SEQ = 256, 64
@@ -44,24 +45,21 @@ MODELS = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral,
           "mixtral-bf16": lambda: _mixtral().to(torch.bfloat16)}
 
 
-def _compile_step(model, ids, monkeypatch, **options):
+def _compile_step(model, ids, **options):
     """One compiled FP8 training step: (loss, gradients, merged report, compiled graphs)."""
-    backend_module = importlib.import_module("graphpass.backend")
-    graphs, real = [], backend_module.run
-
-    def capturing(*args, **kwargs):
-        partition = real(*args, **kwargs)
-        graphs.extend((partition.forward, partition.backward))
-        return partition
-
-    monkeypatch.setattr(backend_module, "run", capturing)
     backend = graphpass.backend(codegen="eager", kernels="reference", **options)
-    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=backend)
+    trace = OneTrace(step=backend)
+    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=trace)
+    with trace.use("step"):
+        return (*_step(model, ids, compiled), backend.report(), trace.graphs["step"])
+
+
+def _step(model, ids, compiled):
     model.zero_grad()
     loss = compiled(ids)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, backend.report(), graphs
+    return loss.detach(), grads
 
 
 def _eager_step(model, ids):
@@ -75,24 +73,49 @@ def _not_lowered(report):
     return sorted({n.split(": ")[1] for n in report.notes if n.startswith("not lowered: ")})
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral",
-                                  "mixtral-bf16"])
-def test_coverage_without_excludes(name, monkeypatch):
+@dataclasses.dataclass
+class Steps:
+    model: torch.nn.Module
+    ids: torch.Tensor
+    # by exclude list ("none": fp8_exclude=(), "default"): (loss, gradients, report, graphs)
+    runs: dict[str, tuple]
+
+
+@pytest.fixture(scope="module")
+def steps(request):
+    """One FP8 training step of a model (seed 0) without excludes and with the default ones, both
+    compiled from one Dynamo trace of the model (``_one_trace``: the trace is most of a compile
+    here), each partitioned as a compile of its own would; the tests of one model share it
+    (pytest orders them together)."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
-    model = MODELS[name]()
+    model = MODELS[request.param]()
     ids = torch.randint(0, VOCAB, (2, SEQ))
-    _, _, report, graphs = _compile_step(model, ids, monkeypatch, fp8="tensorwise", fp8_exclude=())
+    backends = {"none": graphpass.backend(codegen="eager", kernels="reference", fp8="tensorwise",
+                                          fp8_exclude=()),
+                "default": graphpass.backend(codegen="eager", kernels="reference", fp8="tensorwise")}
+    trace = OneTrace(**backends)
+    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=trace)
+    runs = {}
+    for name, backend in backends.items():
+        with trace.use(name):
+            runs[name] = (*_step(model, ids, compiled), backend.report(), trace.graphs[name])
+    torch._dynamo.reset()
+    return Steps(model, ids, runs)
+
+
+@pytest.mark.parametrize("steps", ["llama", "gpt2", "mixtral", "mixtral-bf16"], indirect=True)
+def test_coverage_without_excludes(steps):
+    _, _, report, graphs = steps.runs["none"]
     assert_no_silent_gemm(graphs, report.notes)
     cov = report.meta["fp8_coverage"]
     assert cov["fp8_share"] >= 0.97, "\n".join(report.notes)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "mixtral-bf16"])
-def test_default_excludes_leave_only_lm_head_and_routers(name, monkeypatch):
-    torch.manual_seed(0)
-    model = MODELS[name]()
-    ids = torch.randint(0, VOCAB, (2, SEQ))
-    _, _, report, graphs = _compile_step(model, ids, monkeypatch, fp8="tensorwise")
+@pytest.mark.parametrize("steps", ["llama", "gpt2", "mixtral", "mixtral-bf16"], indirect=True)
+def test_default_excludes_leave_only_lm_head_and_routers(steps, request):
+    name = request.node.callspec.params["steps"]
+    _, _, report, graphs = steps.runs["default"]
     assert_no_silent_gemm(graphs, report.notes)
     expected = {"lm_head"}
     if name.startswith("mixtral"):
@@ -107,13 +130,11 @@ def test_default_excludes_leave_only_lm_head_and_routers(name, monkeypatch):
             f"lowered: model.layers.{i}.mlp.experts (reference/tensorwise)" for i in range(2)]
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
-def test_loss_and_gradients_close_to_eager(name, monkeypatch):
-    torch.manual_seed(0)
-    model = MODELS[name]()
-    ids = torch.randint(0, VOCAB, (2, SEQ))
-    ref_loss, ref_grads = _eager_step(model, ids)
-    loss, grads, _, _ = _compile_step(model, ids, monkeypatch, fp8="tensorwise", fp8_exclude=())
+@pytest.mark.parametrize("steps", ["llama", "gpt2", "mixtral"], indirect=True)
+def test_loss_and_gradients_close_to_eager(steps, request):
+    name = request.node.callspec.params["steps"]
+    ref_loss, ref_grads = _eager_step(steps.model, steps.ids)
+    loss, grads, _, _ = steps.runs["none"]
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < LOSS_BOUND
     rel = {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items() if g.norm() > 0}
     assert set(grads) == set(ref_grads)
@@ -141,14 +162,14 @@ def _gpt_neox():
     return transformers.GPTNeoXForCausalLM(cfg)
 
 
-def test_gpt_neox_parallel_block_trains_in_fp8(monkeypatch):
+def test_gpt_neox_parallel_block_trains_in_fp8():
     """GPT-NeoX's parallel block (as GPT-J's, Falcon's, Cohere's): one FP8 step lowers its four
     linears, with loss and gradients as close to eager as the other models'."""
     torch.manual_seed(0)
     model = _gpt_neox()
     ids = torch.randint(0, VOCAB, (2, SEQ))
     ref_loss, ref_grads = _eager_step(model, ids)
-    loss, grads, report, _ = _compile_step(model, ids, monkeypatch, fp8="tensorwise")
+    loss, grads, report, _ = _compile_step(model, ids, fp8="tensorwise")
     layer = "gpt_neox.layers.0."
     assert sorted(n.split(": ")[1].split(" ")[0].removeprefix("G.") for n in report.notes
                   if n.startswith("lowered: ")) == [

@@ -3,15 +3,16 @@ graphpass FP8: dense decoders, GPT-2's Conv1D, MoE (Mixtral, Qwen3-MoE, DeepSeek
 attention sinks), parallel residual blocks (GPT-NeoX, Falcon), encoders (BERT, RoBERTa, masked LM),
 an encoder-decoder with cross-attention (T5) and a vision transformer (ViT).
 
-Each model trains the same steps on one fixed batch twice, with the same backend
-(``codegen="eager"``) under FP8 and with ``fp8=None``; the FP8 losses stay close to the
-baseline's and both go down. The FP8 coverage is checked against a hand count per architecture:
+Each model trains the same steps on one fixed batch twice from the same initial weights, with the
+same backend (``codegen="eager"``) under FP8 and with ``fp8=None``, each compiling one Dynamo
+trace of the model; the FP8 losses stay close to the baseline's and both go down. The FP8 coverage is checked against a hand count per architecture:
 exactly these linears lowered, exactly these modules left in high precision for these reasons,
 and every GEMM of the compiled graphs lowered or noted.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable
 
@@ -24,7 +25,8 @@ from graphpass.testing import assert_fp8_lowered
 
 transformers = pytest.importorskip("transformers")
 
-from test_fp8_coverage import _compiled_graphs, assert_no_silent_gemm  # noqa: E402
+from _one_trace import OneTrace  # noqa: E402
+from test_fp8_coverage import assert_no_silent_gemm  # noqa: E402
 
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 128, 16, 2, 64, 128
 STEPS, LR, SEED = 5, 1e-3, 0
@@ -218,26 +220,35 @@ def _batch(arch: Arch) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def _train(arch: Arch, fp8: str | None):
-    """STEPS AdamW steps on one batch, compiled by graphpass: (losses, model, merged report)."""
+def _train(arch: Arch):
+    """STEPS AdamW steps on one batch, compiled by graphpass without FP8 and then with it, from
+    the same initial weights: (baseline losses, FP8 losses, model, the FP8 run's merged report,
+    the graphs its partitions returned). One Dynamo trace of the model serves both runs
+    (``_one_trace``: the trace is most of a compile here); each configuration partitions and
+    compiles it as a compile of its own would."""
     torch._dynamo.reset()
     torch.manual_seed(SEED)
     model = arch.build().to(arch.dtype)
+    initial = copy.deepcopy(model.state_dict())
     batch = _batch(arch)
     # kernels="reference" (graphpass's FP8 emulation) only with fp8: graphpass refuses the option
     # without a recipe
-    options = {"fp8": fp8, "kernels": "reference"} if fp8 else {}
-    backend = graphpass.backend(codegen="eager", **options)
-    step = torch.compile(lambda batch: model(**batch).loss, backend=backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        loss = step(batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model, backend.report()
+    fp8 = graphpass.backend(codegen="eager", fp8=arch.fp8, kernels="reference")
+    trace = OneTrace(baseline=graphpass.backend(codegen="eager"), fp8=fp8)
+    step = torch.compile(lambda batch: model(**batch).loss, backend=trace)
+    runs = {}
+    for run in ("baseline", "fp8"):
+        model.load_state_dict(initial)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = runs[run] = []
+        with trace.use(run):
+            for _ in range(STEPS):
+                opt.zero_grad(set_to_none=True)
+                loss = step(batch)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    return runs["baseline"], runs["fp8"], model, fp8.report(), trace.graphs["fp8"]
 
 
 # The largest relative gap of an FP8 loss from the baseline's at the same step (5 steps, lr 1e-3),
@@ -255,11 +266,9 @@ LOSS_GAP = {"default": 4e-3, "vit": 1.2e-2, "gpt-oss": 9e-3, "deepseek-v3": 7e-3
 
 
 @pytest.mark.parametrize("name", list(ZOO))
-def test_trains_in_fp8_close_to_the_baseline_with_the_hand_counted_coverage(name, monkeypatch):
+def test_trains_in_fp8_close_to_the_baseline_with_the_hand_counted_coverage(name):
     arch = ZOO[name]
-    base, _, _ = _train(arch, None)
-    graphs = _compiled_graphs(monkeypatch)
-    losses, model, report = _train(arch, arch.fp8)
+    base, losses, model, report, graphs = _train(arch)
     gaps = [abs(f - b) / b for f, b in zip(losses, base)]
     print(f"{name}: baseline {base}\n{name}: fp8 {losses}\n{name}: largest gap {max(gaps):.2e}")
 
